@@ -1,0 +1,234 @@
+"""Configurations of Inkling-2-Small: the text decoder, the ViT, and the multimodal model around them.
+
+Field names and defaults are those of the official `config.json` (and of transformers' built-in `inkling2`),
+so a checkpoint's config loads unchanged into either package. Defaults describe Inkling-2-Small.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+SLIDING_LAYER = "hybrid_sliding"
+FULL_LAYER = "hybrid"
+LAYER_TYPES = (SLIDING_LAYER, FULL_LAYER)
+
+
+def default_layer_types(num_hidden_layers: int, full_attention_every: int = 6) -> list[str]:
+    """Every sixth layer (5, 11, ..., 47) attends globally; the others use the sliding window."""
+    return [FULL_LAYER if (i + 1) % full_attention_every == 0 else SLIDING_LAYER for i in range(num_hidden_layers)]
+
+
+@strict
+class Inkling2TextConfig(PreTrainedConfig):
+    r"""
+    The MoE text decoder.
+
+    Args:
+        vocab_size (`int`, defaults to 201024): rows of the embedding and unembedding matrices (padded).
+        unpadded_vocab_size (`int`, defaults to 200058): rows that hold real tokens; logits are sliced to it.
+        hidden_size (`int`, defaults to 4608): width of the residual stream.
+        num_hidden_layers (`int`, defaults to 48): decoder layers.
+        num_attention_heads / num_key_value_heads / head_dim: attention shape of the full-attention layers.
+        swa_num_attention_heads / swa_num_key_value_heads / swa_head_dim: the same for the sliding-window layers.
+        sliding_window_size (`int`, defaults to 1024): keys a sliding-window query sees, itself included.
+        d_rel (`int`, defaults to 16): per-head width of the relative states that mix the relative-bias bank.
+        rel_extent (`int`, defaults to 1024): backward distance over which full layers add the relative bias
+            (sliding layers use `sliding_window_size`).
+        log_scaling_n_floor / log_scaling_alpha: full layers multiply queries and relative states by
+            `1 + alpha * log(max(1, (position + 1) / n_floor))`.
+        layer_types (`list[str]`): `"hybrid_sliding"` or `"hybrid"` (full attention) per layer.
+        conv_kernel_size (`int`, defaults to 4): taps of the four short causal convolutions of every layer.
+        moe_intermediate_size / n_routed_experts / num_experts_per_tok / route_scale / scoring_func: the MoE.
+        qk_l2_clip_threshold / rel_l2_clip_threshold: maximum L2 norm of query/key and relative-state heads.
+        n_layers_per_attn_res_block (`int`, defaults to 6): layers summed into one attention-residual block.
+        mlp_gate_softcap / mlp_up_softcap: softcaps of the experts' SwiGLU.
+        final_logit_softcapping (`float`, defaults to 30.0): softcap of the output logits.
+    """
+
+    model_type = "inkling2_text"
+    base_config_key = "text_config"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "sliding_window": "sliding_window_size",
+        "num_local_experts": "n_routed_experts",
+        "sconv_kernel_size": "conv_kernel_size",
+        "model_max_length": "max_position_embeddings",
+        "intermediate_size": "moe_intermediate_size",
+        "routed_scaling_factor": "route_scale",
+    }
+
+    vocab_size: int = 201024
+    unpadded_vocab_size: int = 200058
+    hidden_size: int = 4608
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 48
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    swa_num_attention_heads: int = 48
+    swa_num_key_value_heads: int = 8
+    swa_head_dim: int = 128
+    sliding_window_size: int = 1024
+    d_rel: int = 16
+    rel_extent: int = 1024
+    log_scaling_n_floor: int = 128000
+    log_scaling_alpha: float = 0.1
+    layer_types: list[str] | None = None
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    conv_kernel_size: int = 4
+    hidden_act: str = "silu"
+    moe_intermediate_size: int = 2304
+    n_routed_experts: int = 384
+    num_experts_per_tok: int = 8
+    route_scale: float = 8.0
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 200006
+    qk_l2_clip_threshold: float = 22.627416997969522
+    rel_l2_clip_threshold: float = 8.0
+    n_layers_per_attn_res_block: int = 6
+    mlp_gate_softcap: float = 4.0
+    mlp_up_softcap: float = 25.0
+    final_logit_softcapping: float = 30.0
+    scoring_func: str = "sigmoid"
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_hidden_layers)
+        super().__post_init__(**kwargs)
+
+    def validate_layer_type(self):
+        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if unknown:
+            raise ValueError(
+                f"Unknown layer type(s) {unknown} in `layer_types`: Inkling2 layers are {LAYER_TYPES[0]!r} "
+                f"(sliding window) or {LAYER_TYPES[1]!r} (full attention)."
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: give one entry per layer."
+            )
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        for prefix, heads, kv_heads in (
+            ("", self.num_attention_heads, self.num_key_value_heads),
+            ("swa_", self.swa_num_attention_heads, self.swa_num_key_value_heads),
+        ):
+            if heads % kv_heads:
+                raise ValueError(
+                    f"`{prefix}num_attention_heads` ({heads}) must be a multiple of `{prefix}num_key_value_heads` "
+                    f"({kv_heads}): every key/value head serves the same number of query heads."
+                )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"`num_experts_per_tok` ({self.num_experts_per_tok}) cannot exceed `n_routed_experts` "
+                f"({self.n_routed_experts})."
+            )
+        if not 0 < self.unpadded_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"`unpadded_vocab_size` ({self.unpadded_vocab_size}) must be in (0, vocab_size={self.vocab_size}]."
+            )
+        if self.scoring_func != "sigmoid":
+            raise ValueError(f"Inkling2 routers score experts with a sigmoid, got `scoring_func={self.scoring_func!r}`.")
+        if self.n_layers_per_attn_res_block < 1 or self.conv_kernel_size < 1:
+            raise ValueError("`n_layers_per_attn_res_block` and `conv_kernel_size` must be positive.")
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_LAYER]
+
+
+@strict
+class Inkling2VisionConfig(PreTrainedConfig):
+    r"""
+    The ViT that encodes images, and the 2x2 merger that projects them into the text width.
+
+    Args:
+        hidden_size (`int`, defaults to 1024), num_hidden_layers (`int`, defaults to 23),
+        num_attention_heads (`int`, defaults to 16), patch_size (`int`, defaults to 20): the ViT.
+        intermediate_size (`int`, *optional*): MLP width, `hidden_size * mlp_ratio` when unset.
+        layer_scale_init_value (`float`, defaults to 0.1): initial layer scales.
+        rope_parameters (`dict`, *optional*): axial rotary embedding (`rope_type="axial"`, `rope_theta`).
+        spatial_merge_size (`int`, defaults to 2): side of the patch square merged into one text token.
+        posemb_grid_size (`int`, defaults to 32): side of the learned position grid, interpolated per image.
+        projection_hidden_dim (`int`, defaults to 4096) / projector_bias: the merger MLP.
+        text_hidden_size (`int`, defaults to 4608): width of the text model the merger projects into.
+    """
+
+    model_type = "inkling2_vision"
+    base_config_key = "vision_config"
+    default_rope_type = "axial"
+    attribute_map = {"native_patch_size": "patch_size", "adapter_merge_size": "spatial_merge_size"}
+
+    hidden_size: int = 1024
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 23
+    num_attention_heads: int = 16
+    num_channels: int = 3
+    patch_size: int = 20
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-5
+    attention_dropout: float | int = 0.0
+    mlp_ratio: float = 4.0
+    layer_scale_init_value: float = 0.1
+    rope_parameters: dict | None = None
+    spatial_merge_size: int = 2
+    posemb_grid_size: int = 32
+    projection_hidden_dim: int = 4096
+    projector_bias: bool = False
+    text_hidden_size: int = 4608
+    initializer_range: float = 0.02
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None:
+            self.intermediate_size = int(self.hidden_size * self.mlp_ratio)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "axial", "rope_theta": 10000.0}
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"Vision `hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError("The axial rotary embedding needs a vision head dimension divisible by 4.")
+        if self.rope_parameters.get("rope_type", "axial") != "axial":
+            raise ValueError(f"Inkling2's ViT uses axial rotary embeddings, got {self.rope_parameters}.")
+
+
+@strict
+class Inkling2Config(PreTrainedConfig):
+    r"""
+    The multimodal Inkling-2-Small: a text decoder and a ViT whose features replace image placeholder tokens.
+
+    Args:
+        text_config (`Inkling2TextConfig` or `dict`, *optional*): the decoder.
+        vision_config (`Inkling2VisionConfig` or `dict`, *optional*): the ViT.
+        image_token_id (`int`, defaults to 200054): the placeholder `<|unused_200054|>`, one per image feature.
+    """
+
+    model_type = "inkling2"
+    sub_configs_defaults = {"text_config": Inkling2TextConfig, "vision_config": Inkling2VisionConfig}
+
+    text_config: Inkling2TextConfig | dict | None = None
+    vision_config: Inkling2VisionConfig | dict | None = None
+    image_token_id: int = 200054
+
+    def validate_architecture(self):
+        if self.vision_config.text_hidden_size != self.text_config.hidden_size:
+            raise ValueError(
+                f"`vision_config.text_hidden_size` ({self.vision_config.text_hidden_size}) must equal "
+                f"`text_config.hidden_size` ({self.text_config.hidden_size}): the merger projects into the text width."
+            )
+
+
+__all__ = ["Inkling2Config", "Inkling2TextConfig", "Inkling2VisionConfig"]

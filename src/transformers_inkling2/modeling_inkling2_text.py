@@ -1,0 +1,625 @@
+"""The Inkling2 text decoder, read top to bottom: norms and clips, short convolutions, attention, the MoE,
+block attention residuals, the decoder layer, the base model and the causal-LM head.
+
+This is the plain reference implementation: every step in the precision the original runs it in (fp32 for norms,
+convolutions, routing, attention-residual mixing and logits). Faster attention and expert backends plug in through
+`attention.ATTENTION_BACKENDS` and the experts implementation without changing this file's numerics.
+"""
+
+
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
+
+from .attention import get_attention_backend
+from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
+from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
+
+logger = logging.get_logger(__name__)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Smoothly bounds `x` to (-cap, cap)."""
+    return cap * torch.tanh(x / cap)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalization without weight, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def l2_clip(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Scales each vector (last dim) down to L2 norm `threshold` when longer; in fp32."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * (threshold / (norm + 1e-6)).clamp(max=1.0)
+
+
+class Inkling2RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * rms_normalize(x, self.eps)).to(x.dtype)
+
+
+class Inkling2ScaledL2Clip(nn.Module):
+    """A learned per-head, per-channel scale followed by an L2 clip (queries and relative states)."""
+
+    def __init__(self, num_heads: int, head_dim: int, threshold: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.threshold = threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return l2_clip(x.float() * self.scale.float(), self.threshold)
+
+
+class Inkling2NormedEmbedding(nn.Embedding):
+    """Token embedding followed by an RMSNorm (`embed_norm`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, eps: float):
+        super().__init__(num_embeddings, embedding_dim)
+        self.embed_norm = Inkling2RMSNorm(embedding_dim, eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(super().forward(input_ids))
+
+
+class Inkling2RelativeLogits(nn.Module):
+    """A bank of `d_rel` bias-versus-distance profiles; each query head mixes them with its relative state."""
+
+    def __init__(self, d_rel: int, extent: int):
+        super().__init__()
+        self.proj = nn.Parameter(torch.empty(d_rel, extent))
+
+    def forward(self, relative_states: torch.Tensor) -> torch.Tensor:
+        """[batch, queries, heads, d_rel] -> [batch, heads, queries, extent] bias per backward distance."""
+        return (relative_states @ self.proj.to(relative_states.dtype)).transpose(1, 2)
+
+
+# --- short convolutions -------------------------------------------------------------------------------------------
+
+
+def convolution_context(
+    inputs: torch.Tensor, kernel_size: int, cache: Inkling2Cache | None, layer_idx: int, conv_idx: int
+) -> torch.Tensor:
+    """[batch, C, T] inputs preceded by the `kernel_size - 1` inputs before them (zeros at the sequence start)."""
+    if cache is None:
+        return F.pad(inputs, (kernel_size - 1, 0))
+    return cache.convolution_context(layer_idx, conv_idx, inputs, kernel_size)
+
+
+def zero_padding(x: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zeroes padded tokens so that they never leak into a convolution."""
+    return x if token_mask is None else x * token_mask[:, :, None].to(x.dtype)
+
+
+class Inkling2ShortConvolution(nn.Module):
+    """Causal depthwise convolution with a residual, in fp32: `(conv(x) + x) / sqrt(k + 1)`."""
+
+    def __init__(self, channels: int, kernel_size: int, layer_idx: int, conv_idx: int):
+        super().__init__()
+        self.kernel_size, self.layer_idx, self.conv_idx = kernel_size, layer_idx, conv_idx
+        self.conv1d = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x, token_mask=None, cache=None):
+        x32 = x.float()
+        inputs = zero_padding(x32, token_mask).transpose(1, 2)
+        context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx)
+        convolved = F.conv1d(context, self.conv1d.weight.float(), groups=context.shape[1]).transpose(1, 2)
+        return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)
+
+
+class Inkling2DynamicShortConvolution(nn.Module):
+    """Causal convolution whose taps are static per-channel weights plus per-token taps projected from the layer
+    input (one set per key/value head): `(conv(x) + x) / sqrt(2k + 1)`. `static_weight[lag]` weights the token
+    `lag` steps back. Used on keys and values of the full-attention layers."""
+
+    def __init__(self, channels: int, input_size: int, num_heads: int, kernel_size: int, layer_idx: int, conv_idx: int):
+        super().__init__()
+        self.kernel_size, self.layer_idx, self.conv_idx, self.num_heads = kernel_size, layer_idx, conv_idx, num_heads
+        self.static_weight = nn.Parameter(torch.zeros(kernel_size, channels))
+        self.weight_proj = nn.Linear(input_size, num_heads * kernel_size, bias=False)
+
+    def forward(self, x, tap_input, token_mask=None, cache=None):
+        batch, length, channels = x.shape
+        k = self.kernel_size
+        x32 = x.float()
+        inputs = zero_padding(x32, token_mask).transpose(1, 2)
+        context = convolution_context(inputs, k, cache, self.layer_idx, self.conv_idx)
+        # lagged[b, t, c, lag] = input of token t - lag
+        lagged = context.unfold(-1, k, 1).flip(-1).transpose(1, 2)
+        per_token_taps = self.weight_proj(tap_input).float().view(batch, length, self.num_heads, 1, k)
+        static_taps = self.static_weight.float().T.reshape(self.num_heads, channels // self.num_heads, k)
+        taps = (static_taps + per_token_taps).reshape(batch, length, channels, k)
+        convolved = (lagged * taps).sum(-1)
+        return ((convolved + x32) / math.sqrt(2 * k + 1)).to(x.dtype)
+
+
+# --- attention ----------------------------------------------------------------------------------------------------
+
+
+class Inkling2Attention(nn.Module):
+    """Gated attention with relative bias and a per-token sink.
+
+    Queries are scaled per head and L2-clipped, keys pass a short convolution and an L2 clip, values a short
+    convolution and an RMS norm; relative states are scaled and clipped. Full-attention layers convolve keys and
+    values dynamically, take separate q/k/v inputs and scale queries and relative states up logarithmically with
+    the position. The output is gated by `sigmoid(gate_proj(x))` before `o_proj`.
+    """
+
+    def __init__(self, config: Inkling2TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_sliding = config.layer_types[layer_idx] == SLIDING_LAYER
+        prefix = "swa_" if self.is_sliding else ""
+        self.num_heads = getattr(config, f"{prefix}num_attention_heads")
+        self.num_key_value_heads = getattr(config, f"{prefix}num_key_value_heads")
+        self.head_dim = getattr(config, f"{prefix}head_dim")
+        self.sliding_window = config.sliding_window_size if self.is_sliding else None
+        self.scaling = self.head_dim**-0.5
+        hidden, kv_width = config.hidden_size, self.num_key_value_heads * self.head_dim
+
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.r_proj = nn.Linear(hidden, self.num_heads * config.d_rel, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.sink_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        if self.is_sliding:
+            self.k_sconv = Inkling2ShortConvolution(kv_width, config.conv_kernel_size, layer_idx, K_CONV)
+            self.v_sconv = Inkling2ShortConvolution(kv_width, config.conv_kernel_size, layer_idx, V_CONV)
+        else:
+            conv_args = (kv_width, hidden, self.num_key_value_heads, config.conv_kernel_size, layer_idx)
+            self.k_sconv = Inkling2DynamicShortConvolution(*conv_args, K_CONV)
+            self.v_sconv = Inkling2DynamicShortConvolution(*conv_args, V_CONV)
+        extent = config.sliding_window_size if self.is_sliding else config.rel_extent
+        self.rel_logits_proj = Inkling2RelativeLogits(config.d_rel, extent)
+        self.q_l2_clip = Inkling2ScaledL2Clip(self.num_heads, self.head_dim, config.qk_l2_clip_threshold)
+        self.rel_l2_clip = Inkling2ScaledL2Clip(self.num_heads, config.d_rel, config.rel_l2_clip_threshold)
+
+    def log_scale(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """`tau = 1 + alpha * log(max(1, (pos + 1) / n_floor))`, [batch or 1, T, 1, 1], fp32."""
+        ratio = (position_ids.float() + 1) / self.config.log_scaling_n_floor
+        return (1 + self.config.log_scaling_alpha * torch.log(ratio.clamp(min=1.0)))[..., None, None]
+
+    def forward(
+        self,
+        query_input: torch.Tensor,
+        key_input: torch.Tensor,
+        value_input: torch.Tensor,
+        position_ids: torch.Tensor,
+        query_positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Inkling2Cache | None,
+    ) -> torch.Tensor:
+        batch, length, _ = query_input.shape
+        dtype = query_input.dtype
+        token_mask = None if attention_mask is None else attention_mask[:, -length:]
+
+        if self.is_sliding:
+            keys = self.k_sconv(self.k_proj(key_input), token_mask, cache)
+            values = self.v_sconv(self.v_proj(value_input), token_mask, cache)
+        else:
+            keys = self.k_sconv(self.k_proj(key_input), key_input, token_mask, cache)
+            values = self.v_sconv(self.v_proj(value_input), value_input, token_mask, cache)
+
+        queries = self.q_l2_clip(self.q_proj(query_input).view(batch, length, self.num_heads, self.head_dim))
+        relative_states = self.rel_l2_clip(self.r_proj(query_input).view(batch, length, self.num_heads, -1))
+        if not self.is_sliding:
+            tau = self.log_scale(position_ids)
+            queries, relative_states = queries * tau, relative_states * tau
+        queries = queries.to(dtype).transpose(1, 2)
+        relative_states = relative_states.to(dtype)
+        keys = l2_clip(keys.view(batch, length, -1, self.head_dim).float(), self.config.qk_l2_clip_threshold)
+        keys = keys.to(dtype).transpose(1, 2)
+        values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
+        values = values.to(dtype).transpose(1, 2)
+
+        first_key_position = query_positions[0]
+        if cache is not None:
+            first_key_position = cache.first_key_position(self.layer_idx)
+            keys, values = cache.update(keys, values, self.layer_idx)
+        key_positions = torch.arange(keys.shape[2], device=keys.device) + first_key_position
+        key_padding = None if attention_mask is None else attention_mask[:, key_positions]
+
+        attention = get_attention_backend(self.config._attn_implementation)
+        output = attention(
+            queries,
+            keys,
+            values,
+            relative_logits=self.rel_logits_proj(relative_states),
+            sinks=self.sink_proj(query_input).transpose(1, 2),
+            query_positions=query_positions,
+            key_positions=key_positions,
+            key_padding=key_padding,
+            sliding_window=self.sliding_window,
+            scaling=self.scaling,
+        )
+        output = output.reshape(batch, length, -1).float() * torch.sigmoid(self.gate_proj(query_input).float())
+        return self.o_proj(output.to(dtype))
+
+
+# --- mixture of experts -------------------------------------------------------------------------------------------
+
+
+class Inkling2TopKRouter(nn.Module):
+    """Sigmoid scores; the top-k of `scores + e_score_correction_bias` are chosen, weighted by their normalized
+    scores times `route_scale`. In fp32."""
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.route_scale = config.route_scale
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits)
+        chosen = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, chosen)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        return logits, weights, chosen
+
+
+def softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """`softcap(g) * sigmoid(g) * softcap(u)`: the sigmoid sees the raw gate; in fp32."""
+    gate, up = gate.float(), up.float()
+    return softcap(gate, gate_cap) * torch.sigmoid(gate) * softcap(up, up_cap)
+
+
+class Inkling2Experts(nn.Module):
+    """Routed experts as stacked BF16 weights: `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+    `down_proj` [E, H, I]. The reference loops over the experts that received tokens."""
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.gate_cap, self.up_cap = config.mlp_gate_softcap, config.mlp_up_softcap
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(config.n_routed_experts, 2 * config.moe_intermediate_size, config.hidden_size)
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        )
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; expert_ids, weights [N, k]. Outputs accumulate in fp32."""
+        output = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in expert_ids.unique().tolist():
+            token, slot = torch.where(expert_ids == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
+            expert_output = F.linear(hidden, self.down_proj[expert]) * weights[token, slot, None]
+            output.index_add_(0, token, expert_output.float())
+        return output.to(x.dtype)
+
+
+class Inkling2SparseMoeBlock(nn.Module):
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__()
+        self.gate = Inkling2TopKRouter(config)
+        self.experts = Inkling2Experts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, expert_ids = self.gate(flat)
+        return self.experts(flat, expert_ids, weights).view_as(x)
+
+
+# --- block attention residuals ------------------------------------------------------------------------------------
+
+
+class Inkling2BlockAttentionResidual(nn.Module):
+    """Replaces a residual connection: learned queries attend (softmax over blocks, scale 1/sqrt(hidden)) over the
+    RMS-normalized stack [completed blocks..., current partial block]. In fp32; one output per query."""
+
+    def __init__(self, config: Inkling2TextConfig, num_queries: int = 1):
+        super().__init__()
+        shape = (config.hidden_size,) if num_queries == 1 else (num_queries, config.hidden_size)
+        self.query = nn.Parameter(torch.zeros(shape))
+
+    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stack = rms_normalize(torch.stack([block.float() for block in (*blocks, partial)], dim=-2), 1e-6)
+        queries = self.query.float().view(-1, stack.shape[-1])
+        weights = torch.softmax(torch.einsum("qh,btnh->btqn", queries, stack) / math.sqrt(stack.shape[-1]), -1)
+        return torch.einsum("btqn,btnh->btqh", weights, stack).unbind(-2)
+
+
+# --- decoder layer ------------------------------------------------------------------------------------------------
+
+
+class Inkling2DecoderLayer(GradientCheckpointingLayer):
+    """Attention, then the MoE, each behind a block attention residual and followed by a short convolution.
+
+    The stream is a list of completed blocks (the embedding, then one per `n_layers_per_attn_res_block` layers) and
+    a partial block, the sum of the sublayer outputs since the last boundary. A layer that opens a block moves the
+    partial block into the list and restarts it from its attention output.
+    """
+
+    def __init__(self, config: Inkling2TextConfig, layer_idx: int):
+        super().__init__()
+        self.is_sliding = config.layer_types[layer_idx] == SLIDING_LAYER
+        self.opens_block = layer_idx % config.n_layers_per_attn_res_block == 0
+        # Layer 0 reads the embedding directly; full layers mix separate query, key and value inputs.
+        num_inputs = 1 if self.is_sliding else 3
+        self.attention_input = Inkling2BlockAttentionResidual(config, num_inputs) if layer_idx > 0 else None
+        self.mlp_input = Inkling2BlockAttentionResidual(config)
+        self.self_attn = Inkling2Attention(config, layer_idx)
+        self.mlp = Inkling2SparseMoeBlock(config)
+        if self.is_sliding:
+            self.input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.q_input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.k_input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.v_input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_convolution = Inkling2ShortConvolution(
+            config.hidden_size, config.conv_kernel_size, layer_idx, POST_ATTENTION_CONV
+        )
+        self.post_mlp_convolution = Inkling2ShortConvolution(
+            config.hidden_size, config.conv_kernel_size, layer_idx, POST_MLP_CONV
+        )
+
+    def forward(self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None):
+        dtype = partial.dtype
+        inputs = (partial,) if self.attention_input is None else self.attention_input(blocks, partial)
+        if self.is_sliding:
+            query_input = key_input = value_input = self.input_layernorm(inputs[0]).to(dtype)
+        else:
+            inputs = inputs * 3 if len(inputs) == 1 else inputs
+            norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
+            query_input, key_input, value_input = (norm(x).to(dtype) for norm, x in zip(norms, inputs))
+        attention_output = self.self_attn(
+            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache
+        )
+        token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
+        attention_output = self.post_attention_convolution(attention_output, token_mask, cache).float()
+
+        if self.opens_block:
+            blocks = [*blocks, partial]
+            partial = attention_output
+        else:
+            partial = partial.float() + attention_output
+
+        mlp_input = self.mlp_input(blocks, partial)[0]
+        mlp_output = self.mlp(self.post_attention_layernorm(mlp_input).to(dtype))
+        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache)
+        return (partial + mlp_output.float()).to(dtype), blocks
+
+
+# --- models -------------------------------------------------------------------------------------------------------
+
+
+def raise_on_incomplete_load(class_name: str, loading_info: dict) -> None:
+    problems = {kind: sorted(loading_info.get(kind) or ()) for kind in ("missing_keys", "unexpected_keys")}
+    if not any(problems.values()):
+        return
+    listing = "; ".join(
+        f"{kind.replace('_', ' ')} ({len(keys)}): {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}"
+        for kind, keys in problems.items()
+        if keys
+    )
+    raise ValueError(
+        f"The checkpoint does not match {class_name}: {listing}. Names are after conversion from the original "
+        "layout (`model.llm.*`). Check that the checkpoint and the config belong together, or pass "
+        "`allow_incomplete_checkpoint=True` to load it anyway with the missing tensors freshly initialized."
+    )
+
+
+class Inkling2PreTrainedModel(PreTrainedModel):
+    config: Inkling2Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Inkling2DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = False
+    _supports_sdpa = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+    # Run in fp32 in the original, whatever the model dtype.
+    _keep_in_fp32_modules_strict = [
+        "e_score_correction_bias",
+        "mlp.gate.weight",
+        "post_attention_convolution",
+        "post_mlp_convolution",
+        "k_sconv.conv1d",
+        "v_sconv.conv1d",
+        "attention_input",
+        "mlp_input",
+        "final_input",
+    ]
+
+    @classmethod
+    def from_pretrained(cls, *args, allow_incomplete_checkpoint: bool = False, **kwargs):
+        """Loads like any transformers model, but a checkpoint with missing or unexpected tensors is an error
+        (naming them) instead of a warning that leaves part of the model random. Pass
+        `allow_incomplete_checkpoint=True` to accept such a checkpoint, e.g. to initialize new parts."""
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if not allow_incomplete_checkpoint:
+            raise_on_incomplete_load(cls.__name__, info)
+        return (model, info) if return_info else model
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.get_text_config().initializer_range
+        if isinstance(module, Inkling2RelativeLogits):
+            module.proj.normal_(0.0, std)
+        elif isinstance(module, Inkling2Experts):
+            module.gate_up_proj.normal_(0.0, std)
+            module.down_proj.normal_(0.0, std)
+        elif isinstance(module, Inkling2TopKRouter):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, Inkling2ScaledL2Clip):
+            module.scale.fill_(1.0)
+        elif isinstance(module, Inkling2DynamicShortConvolution):
+            module.static_weight.zero_()
+        elif isinstance(module, Inkling2BlockAttentionResidual):
+            module.query.zero_()
+
+
+class Inkling2TextModel(Inkling2PreTrainedModel):
+    config: Inkling2TextConfig
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__(config)
+        self.embed_tokens = Inkling2NormedEmbedding(config.vocab_size, config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Inkling2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.final_input = Inkling2BlockAttentionResidual(config)
+        self.norm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Inkling2Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
+        `position_ids` only drive the full layers' log scaling (physical positions drive everything else)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = Inkling2Cache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, Inkling2Cache):
+            raise TypeError(
+                f"Inkling2 needs an `Inkling2Cache` (it also holds short-convolution states), got "
+                f"{type(past_key_values).__name__}. Pass `past_key_values=None` or an `Inkling2Cache(config)`."
+            )
+
+        batch, length, _ = inputs_embeds.shape
+        past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
+        query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
+        if position_ids is None:
+            position_ids = query_positions[None]
+        attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
+
+        partial, blocks = inputs_embeds, []
+        for layer in self.layers:
+            partial, blocks = layer(
+                partial,
+                blocks,
+                position_ids=position_ids,
+                query_positions=query_positions,
+                attention_mask=attention_mask,
+                cache=past_key_values,
+            )
+        hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    @staticmethod
+    def _padding_mask(attention_mask, batch: int, total_length: int) -> torch.Tensor | None:
+        """Checks the 2-D mask; returns None when nothing is padded (the fast, common case)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, total_length):
+            raise ValueError(
+                f"Inkling2 takes a 2-D padding mask of shape [batch, past + new tokens] = {(batch, total_length)}, "
+                f"got {tuple(attention_mask.shape)}. Custom 4-D masks are not supported."
+            )
+        return None if bool(attention_mask.all()) else attention_mask.bool()
+
+
+class Inkling2ForCausalLM(Inkling2PreTrainedModel, GenerationMixin):
+    config: Inkling2TextConfig
+    _tied_weights_keys = {}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _keys_to_ignore_on_load_unexpected = [r"^model\.visual\.", r"^model\.vision_tower\.", r"^mtp\."]
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__(config)
+        self.model = Inkling2TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Inkling2Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        logits = self.compute_logits(outputs.last_hidden_state, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+    def compute_logits(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """lm_head in fp32, softcap, then only the real (unpadded) vocabulary."""
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = softcap(self.lm_head(hidden_states).float(), self.config.final_logit_softcapping)
+        return logits[..., : self.config.unpadded_vocab_size]
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache."""
+        wants_own_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        if wants_own_cache and generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"Inkling2 decodes with its own `Inkling2Cache`; `cache_implementation="
+                f"{generation_config.cache_implementation!r}` is not supported. Leave it unset."
+            )
+        if wants_own_cache:
+            model_kwargs["past_key_values"] = Inkling2Cache(self.config)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+
+__all__ = ["Inkling2PreTrainedModel", "Inkling2TextModel", "Inkling2ForCausalLM"]

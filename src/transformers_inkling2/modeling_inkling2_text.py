@@ -549,7 +549,35 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         return None if bool(attention_mask.all()) else attention_mask.bool()
 
 
-class Inkling2ForCausalLM(Inkling2PreTrainedModel, GenerationMixin):
+class Inkling2LanguageModelingMixin:
+    """What every Inkling2 model with an `lm_head` shares: the logits and the cache that generate() uses.
+    Listed before `GenerationMixin` in the bases, whose cache preparation it specializes."""
+
+    def compute_logits(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """lm_head in fp32, softcap, then only the real (unpadded) vocabulary."""
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        text_config = self.config.get_text_config()
+        logits = softcap(self.lm_head(hidden_states).float(), text_config.final_logit_softcapping)
+        return logits[..., : text_config.unpadded_vocab_size]
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache."""
+        wants_own_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        if wants_own_cache and generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"Inkling2 decodes with its own `Inkling2Cache`; `cache_implementation="
+                f"{generation_config.cache_implementation!r}` is not supported. Leave it unset."
+            )
+        if wants_own_cache:
+            model_kwargs["past_key_values"] = Inkling2Cache(self.config.get_text_config())
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+
+class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin, GenerationMixin):
     config: Inkling2TextConfig
     _tied_weights_keys = {}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -599,27 +627,5 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
-    def compute_logits(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """lm_head in fp32, softcap, then only the real (unpadded) vocabulary."""
-        if isinstance(logits_to_keep, int):
-            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
-        else:
-            hidden_states = hidden_states[:, logits_to_keep]
-        logits = softcap(self.lm_head(hidden_states).float(), self.config.final_logit_softcapping)
-        return logits[..., : self.config.unpadded_vocab_size]
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache."""
-        wants_own_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-        if wants_own_cache and generation_config.cache_implementation is not None:
-            raise ValueError(
-                f"Inkling2 decodes with its own `Inkling2Cache`; `cache_implementation="
-                f"{generation_config.cache_implementation!r}` is not supported. Leave it unset."
-            )
-        if wants_own_cache:
-            model_kwargs["past_key_values"] = Inkling2Cache(self.config)
-            return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-
-
-__all__ = ["Inkling2PreTrainedModel", "Inkling2TextModel", "Inkling2ForCausalLM"]
+__all__ = ["Inkling2PreTrainedModel", "Inkling2TextModel", "Inkling2ForCausalLM", "Inkling2LanguageModelingMixin"]

@@ -1,0 +1,29 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="transformers-inkling2",
+    version="0.1.0",
+    description="Thinking Machines' Inkling-2-Small for Hugging Face transformers",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    python_requires=">=3.10",
+    install_requires=[
+        "transformers>=5.23,<6",
+        "torch>=2.8",
+        "accelerate>=1.10",
+        "safetensors>=0.6",
+        "kernels>=0.17.2",
+        "pillow>=10",
+        # ships o200k_base.tiktoken, from which the tokenizer is built offline
+        "tml-renderers>=0.2.1",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "tiktoken>=0.9"],
+    },
+    entry_points={"console_scripts": ["inkling2=transformers_inkling2.cli:main"]},
+)

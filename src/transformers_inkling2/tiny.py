@@ -1,0 +1,62 @@
+"""The embedded default model: the real architecture and tokenizer at toy width, with random weights.
+
+It lets the `inkling2` command, the examples and the tests run anywhere without downloading 394 GB. Its text is
+random: it exists to exercise the code path, and everything that prints from it says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .configuration_inkling2 import Inkling2TextConfig
+
+TINY_MODEL_LABEL = "embedded tiny Inkling2 (real architecture and tokenizer, RANDOM weights: its text is noise)"
+
+
+def tiny_text_config(**overrides) -> Inkling2TextConfig:
+    """Six layers (one full-attention layer, one attention-residual block boundary after the first), 8 experts,
+    the full vocabulary; windows short enough that short prompts already cross them."""
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        sliding_window_size=16,
+        rel_extent=16,
+        d_rel=4,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_layers_per_attn_res_block=3,
+        max_position_embeddings=4096,
+    )
+    fields.update(overrides)
+    return Inkling2TextConfig(**fields)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.nn.Module:
+    """Draws every parameter and buffer from a seeded normal distribution, the zero-initialized ones (attention-
+    residual queries, dynamic-convolution taps, router bias) too, so that no part of the model is inert. Norm
+    weights and scales are drawn around 1."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if not tensor.is_floating_point():
+                continue
+            values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
+            if name.endswith(("norm.weight", "layernorm.weight", "l2_clip.scale")):
+                values = values + 1.0
+            tensor.copy_(values.to(tensor.dtype))
+    return model
+
+
+def build_tiny_causal_lm(seed: int = 0, **config_overrides):
+    """The embedded text model, deterministic for a given seed."""
+    from .modeling_inkling2_text import Inkling2ForCausalLM
+
+    model = Inkling2ForCausalLM(tiny_text_config(**config_overrides))
+    return randomize_(model, seed).eval()

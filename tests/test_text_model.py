@@ -1,0 +1,83 @@
+"""The text decoder against transformers' built-in `inkling2` (the oracle) on the same random weights."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
+from huggingface_hub.errors import StrictDataclassClassValidationError
+
+from transformers_inkling2 import Inkling2Config, Inkling2TextConfig
+
+
+def oracle_and_our_logits(dtype=torch.float32, seed=0, **overrides):
+    ours, oracle = build_pair(seed=seed, dtype=dtype, **overrides)
+    input_ids, attention_mask = left_padded_batch(seed=seed)
+    inputs = dict(attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask), use_cache=False)
+    with torch.no_grad():
+        return ours(input_ids, **inputs).logits, oracle(input_ids, **inputs).logits, attention_mask.bool()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp32_logits_equal_builtin_with_left_padding_beyond_the_window(seed):
+    ours, oracle, real = oracle_and_our_logits(seed=seed)
+    assert ours.shape == oracle.shape == (2, 21, ORACLE_TEXT_CONFIG["unpadded_vocab_size"])
+    assert oracle[real].abs().max() > 1.0  # a live model, not a near-zero one
+    assert (ours - oracle)[real].abs().max() <= 1e-4
+
+
+def test_fp32_logits_equal_builtin_without_log_scaling_and_with_equal_extents():
+    ours, oracle, real = oracle_and_our_logits(log_scaling_n_floor=128000, rel_extent=8)
+    assert (ours - oracle)[real].abs().max() <= 1e-4
+
+
+def test_bf16_logits_are_as_close_to_fp32_as_the_builtins():
+    """bf16 bound: our bf16 logits are within 1.25x the built-in bf16's own relative L2 error to the fp32 logits
+    (both about 0.2 on this random 12-layer model, where bf16 noise flips expert choices)."""
+    _, truth, real = oracle_and_our_logits()
+    ours16, oracle16, _ = oracle_and_our_logits(dtype=torch.bfloat16)
+
+    def relative_error(logits):
+        return ((logits - truth)[real].norm() / truth[real].norm()).item()
+
+    assert relative_error(ours16) <= 1.25 * relative_error(oracle16) + 1e-3
+
+
+def test_parameter_names_and_shapes_equal_builtin():
+    ours, oracle = build_pair()
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in oracle.state_dict().items()}
+
+
+def test_config_fields_and_defaults_equal_builtin():
+    from transformers.models.inkling2 import configuration_inkling2 as builtin
+
+    for ours, theirs in [
+        (Inkling2TextConfig(), builtin.Inkling2TextConfig()),
+        (Inkling2Config().vision_config, builtin.Inkling2VisionConfig()),
+    ]:
+        ours_fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(ours)}
+        theirs_fields = {f.name: getattr(theirs, f.name) for f in dataclasses.fields(theirs)}
+        assert ours_fields == theirs_fields
+    assert Inkling2Config().image_token_id == builtin.Inkling2Config().image_token_id == 200054
+    assert Inkling2TextConfig().full_attention_layers == list(range(5, 48, 6))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_attention_heads=6, num_key_value_heads=4), "multiple of `num_key_value_heads`"),
+        (dict(swa_num_attention_heads=6, swa_num_key_value_heads=4), "swa_num_key_value_heads"),
+        (dict(num_hidden_layers=2, layer_types=["hybrid", "global"]), "Unknown layer type"),
+        (dict(num_hidden_layers=3, layer_types=["hybrid", "hybrid_sliding"]), "one entry per layer"),
+        (dict(num_experts_per_tok=9, n_routed_experts=8), "cannot exceed"),
+        (dict(unpadded_vocab_size=300, vocab_size=200), "unpadded_vocab_size"),
+    ],
+)
+def test_bad_text_config_is_a_clear_error(fields, message):
+    with pytest.raises(StrictDataclassClassValidationError, match=message):
+        Inkling2TextConfig(**fields)
+
+
+def test_mismatched_vision_and_text_width_is_a_clear_error():
+    with pytest.raises(StrictDataclassClassValidationError, match="text_hidden_size"):
+        Inkling2Config(text_config=dict(hidden_size=64), vision_config=dict(text_hidden_size=32))

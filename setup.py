@@ -18,7 +18,7 @@ setup(
         "accelerate>=1.10",
         "safetensors>=0.6",
         "kernels>=0.17.2",
-        "pillow>=10",
+        "pillow>=10.1",
         # ships o200k_base.tiktoken, from which the tokenizer is built offline
         "tml-renderers>=0.2.1",
     ],

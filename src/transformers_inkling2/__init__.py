@@ -6,18 +6,38 @@ The data path, module by module:
                              convolutions, MoE; `Inkling2ForCausalLM`
     attention                attention backends (`attn_implementation`), the eager reference first
     cache_inkling2           `Inkling2Cache`: keys/values + short-convolution states, rollback for speculation
+    modeling_inkling2_vision the ViT and the merger into the text width
+    modeling_inkling2        `Inkling2Model`, `Inkling2ForConditionalGeneration`: image features at the placeholders
     checkpoint_conversion    original checkpoint names <-> ours (load and save)
+    quantized_formats        NVFP4 / MXFP8 expert weight codecs (the pure-PyTorch reference)
+    tokenization_inkling2    `Inkling2Tokenizer`: o200k_base + the 60 Inkling special tokens
+    image_processing_inkling2  `Inkling2ImageProcessorPil`: images -> 40x40 pixel blocks, one per image token
+    processing_inkling2      `Inkling2Processor`: tokenizer + image processor + chat template
+    tiny, cli                the embedded tiny model and the `inkling2` command
 
 Importing the package registers every class with transformers' Auto classes, ahead of transformers' own
 `inkling2` entries, and registers the checkpoint renamings for our model types.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+)
 
 from .cache_inkling2 import Inkling2Cache
 from .checkpoint_conversion import register_conversion_mappings
 from .configuration_inkling2 import Inkling2Config, Inkling2TextConfig, Inkling2VisionConfig
+from .image_processing_inkling2 import Inkling2ImageProcessorPil
+from .modeling_inkling2 import Inkling2ForConditionalGeneration, Inkling2Model
 from .modeling_inkling2_text import Inkling2ForCausalLM, Inkling2PreTrainedModel, Inkling2TextModel
+from .modeling_inkling2_vision import Inkling2VisionModel
+from .processing_inkling2 import Inkling2MultimodalProcessor, Inkling2Processor
+from .tokenization_inkling2 import Inkling2Tokenizer
 
 __version__ = "0.1.0"
 
@@ -26,7 +46,18 @@ def _register() -> None:
     for config_class in (Inkling2Config, Inkling2TextConfig, Inkling2VisionConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(Inkling2TextConfig, Inkling2TextModel, exist_ok=True)
+    AutoModel.register(Inkling2VisionConfig, Inkling2VisionModel, exist_ok=True)
+    AutoModel.register(Inkling2Config, Inkling2Model, exist_ok=True)
     AutoModelForCausalLM.register(Inkling2TextConfig, Inkling2ForCausalLM, exist_ok=True)
+    # the official checkpoints are multimodal: as a causal LM they load with their image support
+    AutoModelForCausalLM.register(Inkling2Config, Inkling2ForConditionalGeneration, exist_ok=True)
+    AutoModelForImageTextToText.register(Inkling2Config, Inkling2ForConditionalGeneration, exist_ok=True)
+    for config_class in (Inkling2Config, Inkling2TextConfig):
+        AutoTokenizer.register(config_class, tokenizer_class=Inkling2Tokenizer, exist_ok=True)
+    # a "pil" backend: the built-in image processor needs torchvision, ours does not
+    image_processors = {"pil": Inkling2ImageProcessorPil, "torchvision": None}
+    AutoImageProcessor.register(Inkling2Config, image_processor_classes=image_processors, exist_ok=True)
+    AutoProcessor.register(Inkling2Config, Inkling2MultimodalProcessor, exist_ok=True)
     register_conversion_mappings()
 
 
@@ -36,8 +67,15 @@ __all__ = [
     "Inkling2Cache",
     "Inkling2Config",
     "Inkling2ForCausalLM",
+    "Inkling2ForConditionalGeneration",
+    "Inkling2ImageProcessorPil",
+    "Inkling2Model",
+    "Inkling2MultimodalProcessor",
+    "Inkling2Processor",
+    "Inkling2VisionModel",
     "Inkling2PreTrainedModel",
     "Inkling2TextConfig",
     "Inkling2TextModel",
+    "Inkling2Tokenizer",
     "Inkling2VisionConfig",
 ]

@@ -79,6 +79,20 @@ def text_model_renamings() -> list[WeightRenaming]:
     ]
 
 
+def multimodal_model_renamings() -> list[WeightRenaming]:
+    """Original names -> ours around the text decoder (whose own renamings transformers applies within
+    `model.language_model`): the head, the decoder's place, and the ViT."""
+    from .modeling_inkling2_vision import vision_checkpoint_renames
+
+    renames = [
+        (r"model\.llm\.unembed\.weight", "lm_head.weight"),
+        (r"model\.llm\.", "model.language_model."),
+        *vision_checkpoint_renames(),
+    ]
+    return [WeightRenaming(source, target) for source, target in renames]
+
+
 def register_conversion_mappings() -> None:
     """Makes transformers rename original-layout checkpoints for our model types (and back when saving)."""
     register_checkpoint_conversion_mapping("inkling2_text", text_model_renamings(), overwrite=True)
+    register_checkpoint_conversion_mapping("inkling2", multimodal_model_renamings(), overwrite=True)

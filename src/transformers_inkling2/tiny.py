@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .configuration_inkling2 import Inkling2TextConfig
+from .configuration_inkling2 import Inkling2Config, Inkling2TextConfig
 
 TINY_MODEL_LABEL = "embedded tiny Inkling2 (real architecture and tokenizer, RANDOM weights: its text is noise)"
 
@@ -38,6 +38,12 @@ def tiny_text_config(**overrides) -> Inkling2TextConfig:
     return Inkling2TextConfig(**fields)
 
 
+def tiny_config(**text_overrides) -> Inkling2Config:
+    """The tiny text decoder with a two-layer ViT of width 32 in front."""
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, projection_hidden_dim=64, text_hidden_size=64)
+    return Inkling2Config(text_config=tiny_text_config(**text_overrides).to_dict(), vision_config=vision)
+
+
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.nn.Module:
     """Draws every parameter and buffer from a seeded normal distribution, the zero-initialized ones (attention-
     residual queries, dynamic-convolution taps, router bias) too, so that no part of the model is inert. Norm
@@ -48,7 +54,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch
             if not tensor.is_floating_point():
                 continue
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
-            if name.endswith(("norm.weight", "layernorm.weight", "l2_clip.scale")):
+            if name.endswith("l2_clip.scale") or ("norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight")):
                 values = values + 1.0
             tensor.copy_(values.to(tensor.dtype))
     return model
@@ -60,3 +66,19 @@ def build_tiny_causal_lm(seed: int = 0, **config_overrides):
 
     model = Inkling2ForCausalLM(tiny_text_config(**config_overrides))
     return randomize_(model, seed).eval()
+
+
+def build_tiny_model(seed: int = 0, **text_overrides):
+    """The embedded multimodal model (`Inkling2ForConditionalGeneration`), deterministic for a given seed."""
+    from .modeling_inkling2 import Inkling2ForConditionalGeneration
+
+    return randomize_(Inkling2ForConditionalGeneration(tiny_config(**text_overrides)), seed).eval()
+
+
+def build_tiny_processor():
+    """The real tokenizer, chat template and image processor."""
+    from .image_processing_inkling2 import Inkling2ImageProcessorPil
+    from .processing_inkling2 import Inkling2Processor
+    from .tokenization_inkling2 import build_inkling2_tokenizer
+
+    return Inkling2Processor(image_processor=Inkling2ImageProcessorPil(), tokenizer=build_inkling2_tokenizer())

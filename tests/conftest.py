@@ -81,8 +81,8 @@ def positions_from_mask(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def greedy_by_recomputation(model, input_ids, attention_mask, new_tokens):
-    """Reference: every step runs the whole sequence again, without a cache."""
+def greedy_by_recomputation(model, input_ids, attention_mask, new_tokens, **inputs):
+    """Reference: every step runs the whole sequence again (images included), without a cache."""
     for _ in range(new_tokens):
         with torch.no_grad():
             logits = model(
@@ -90,13 +90,14 @@ def greedy_by_recomputation(model, input_ids, attention_mask, new_tokens):
                 attention_mask=attention_mask,
                 position_ids=positions_from_mask(attention_mask),
                 use_cache=False,
+                **inputs,
             ).logits[:, -1]
         input_ids = torch.cat([input_ids, logits.argmax(-1, keepdim=True)], dim=1)
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
     return input_ids
 
 
-def greedy_generate(model, input_ids, attention_mask, new_tokens):
+def greedy_generate(model, input_ids, attention_mask, new_tokens, **inputs):
     return model.generate(
         input_ids,
         attention_mask=attention_mask,
@@ -104,4 +105,5 @@ def greedy_generate(model, input_ids, attention_mask, new_tokens):
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
+        **inputs,
     )

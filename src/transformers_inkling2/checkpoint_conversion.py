@@ -47,6 +47,10 @@ def text_model_renamings() -> list[WeightRenaming]:
         (r"embed\.weight", "embed_tokens.weight"),
         (r"(?<!embed_tokens\.)embed_norm\.", "embed_tokens.embed_norm."),
         (r"mlp\.experts\.w2_weight", "mlp.experts.down_proj"),
+        # quantized experts (see quantized_checkpoints): block scales and NVFP4 outer-scale tensors
+        (r"mlp\.experts\.w2_weight_scale", "mlp.experts.down_proj_scale"),
+        (r"mlp\.experts\.w13_weight_(scale_2|global_scale|amax|outer_scale_denominator)", r"mlp.experts.gate_up_proj_\1"),
+        (r"mlp\.experts\.w2_weight_(scale_2|global_scale|amax|outer_scale_denominator)", r"mlp.experts.down_proj_\1"),
         (r"mlp\.gate\.bias", "mlp.gate.e_score_correction_bias"),
         (r"attn\.wq_du", "self_attn.q_proj"),
         (r"attn\.wk_dv", "self_attn.k_proj"),
@@ -68,11 +72,10 @@ def text_model_renamings() -> list[WeightRenaming]:
         (r"attn_res\.output_query", "final_input.query"),
     ]
     return [
-        WeightConverter(
-            source_patterns=r"mlp\.experts\.w13_weight",
-            target_patterns="mlp.experts.gate_up_proj",
-            # rows g0, u0, g1, u1, ... -> all gate rows, then all up rows
-            operations=[Interleave(dim=1)],
+        # rows g0, u0, g1, u1, ... -> all gate rows, then all up rows (packed weights and block scales alike)
+        *(
+            WeightConverter(source_patterns=rf"mlp\.experts\.w13_weight{suffix}", target_patterns=f"mlp.experts.gate_up_proj{suffix}", operations=[Interleave(dim=1)])
+            for suffix in ("", "_scale")
         ),
         *(WeightRenaming(source, target) for source, target in renames),
         ShiftedIndexRenaming(r"attn_res\.attn_queries\.(\d+)", r"layers.\1.attention_input.query", shift=1),

@@ -12,6 +12,7 @@ from transformers import PreTrainedConfig
 SLIDING_LAYER = "hybrid_sliding"
 FULL_LAYER = "hybrid"
 LAYER_TYPES = (SLIDING_LAYER, FULL_LAYER)
+EXPERT_FORMATS = ("bf16", "nvfp4", "mxfp8")
 
 
 def default_layer_types(num_hidden_layers: int, full_attention_every: int = 6) -> list[str]:
@@ -19,8 +20,22 @@ def default_layer_types(num_hidden_layers: int, full_attention_every: int = 6) -
     return [FULL_LAYER if (i + 1) % full_attention_every == 0 else SLIDING_LAYER for i in range(num_hidden_layers)]
 
 
+class ReadsExpertStorage:
+    """Config loading also reads the checkpoint's tensor headers: how the routed experts are stored (BF16, NVFP4,
+    MXFP8, per layer) decides which expert modules the model builds."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        from .quantized_checkpoints import attach_expert_quantization
+
+        loaded = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        config = loaded[0] if kwargs.get("return_unused_kwargs") else loaded
+        attach_expert_quantization(config, pretrained_model_name_or_path, kwargs.get("revision"))
+        return loaded
+
+
 @strict
-class Inkling2TextConfig(PreTrainedConfig):
+class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
     r"""
     The MoE text decoder.
 
@@ -44,6 +59,10 @@ class Inkling2TextConfig(PreTrainedConfig):
         n_layers_per_attn_res_block (`int`, defaults to 6): layers summed into one attention-residual block.
         mlp_gate_softcap / mlp_up_softcap: softcaps of the experts' SwiGLU.
         final_logit_softcapping (`float`, defaults to 30.0): softcap of the output logits.
+        expert_quantization (`dict`, *optional*): how the routed experts are stored when not in BF16; filled in by
+            `from_pretrained` from the checkpoint (see `docs/quantization.md`): `{"formats": [per layer "bf16" |
+            "nvfp4" | "mxfp8"], "nvfp4_outer_scales": [NVFP4 outer-scale tensor suffixes, e.g. "scale_2"],
+            "nvfp4_outer_per_half": bool}`.
     """
 
     model_type = "inkling2_text"
@@ -95,6 +114,7 @@ class Inkling2TextConfig(PreTrainedConfig):
     final_logit_softcapping: float = 30.0
     scoring_func: str = "sigmoid"
     use_cache: bool = True
+    expert_quantization: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.layer_types is None:
@@ -138,6 +158,17 @@ class Inkling2TextConfig(PreTrainedConfig):
             raise ValueError(f"Inkling2 routers score experts with a sigmoid, got `scoring_func={self.scoring_func!r}`.")
         if self.n_layers_per_attn_res_block < 1 or self.conv_kernel_size < 1:
             raise ValueError("`n_layers_per_attn_res_block` and `conv_kernel_size` must be positive.")
+        if self.expert_quantization is not None:
+            formats = self.expert_quantization.get("formats", [])
+            if len(formats) != self.num_hidden_layers or not set(formats) <= set(EXPERT_FORMATS):
+                raise ValueError(
+                    f"`expert_quantization['formats']` must give one of {EXPERT_FORMATS} per layer "
+                    f"({self.num_hidden_layers} layers), got {formats}."
+                )
+
+    def expert_format(self, layer_idx: int) -> str:
+        """How layer `layer_idx` stores its routed experts: "bf16", "nvfp4" or "mxfp8"."""
+        return "bf16" if self.expert_quantization is None else self.expert_quantization["formats"][layer_idx]
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -206,7 +237,7 @@ class Inkling2VisionConfig(PreTrainedConfig):
 
 
 @strict
-class Inkling2Config(PreTrainedConfig):
+class Inkling2Config(ReadsExpertStorage, PreTrainedConfig):
     r"""
     The multimodal Inkling-2-Small: a text decoder and a ViT whose features replace image placeholder tokens.
 

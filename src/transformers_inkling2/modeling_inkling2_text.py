@@ -7,11 +7,12 @@ convolutions, routing, attention-residual mixing and logits). Faster attention a
 """
 
 
+import copy
 import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
@@ -19,13 +20,10 @@ from transformers.utils import logging
 from .attention import get_attention_backend
 from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
+from .experts import Inkling2Experts, Inkling2QuantizedExperts, softcap
+from .quantized_checkpoints import attach_expert_quantization, validate_quantized_experts
 
 logger = logging.get_logger(__name__)
-
-
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """Smoothly bounds `x` to (-cap, cap)."""
-    return cap * torch.tanh(x / cap)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -273,44 +271,21 @@ class Inkling2TopKRouter(nn.Module):
         return logits, weights, chosen
 
 
-def softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
-    """`softcap(g) * sigmoid(g) * softcap(u)`: the sigmoid sees the raw gate; in fp32."""
-    gate, up = gate.float(), up.float()
-    return softcap(gate, gate_cap) * torch.sigmoid(gate) * softcap(up, up_cap)
-
-
-class Inkling2Experts(nn.Module):
-    """Routed experts as stacked BF16 weights: `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
-    `down_proj` [E, H, I]. The reference loops over the experts that received tokens."""
-
-    def __init__(self, config: Inkling2TextConfig):
-        super().__init__()
-        self.num_experts = config.n_routed_experts
-        self.gate_cap, self.up_cap = config.mlp_gate_softcap, config.mlp_up_softcap
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(config.n_routed_experts, 2 * config.moe_intermediate_size, config.hidden_size)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
-        )
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; expert_ids, weights [N, k]. Outputs accumulate in fp32."""
-        output = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in expert_ids.unique().tolist():
-            token, slot = torch.where(expert_ids == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
-            expert_output = F.linear(hidden, self.down_proj[expert]) * weights[token, slot, None]
-            output.index_add_(0, token, expert_output.float())
-        return output.to(x.dtype)
-
-
 class Inkling2SparseMoeBlock(nn.Module):
-    def __init__(self, config: Inkling2TextConfig):
+    def __init__(self, config: Inkling2TextConfig, layer_idx: int):
         super().__init__()
         self.gate = Inkling2TopKRouter(config)
-        self.experts = Inkling2Experts(config)
+        expert_format = config.expert_format(layer_idx)
+        if expert_format == "bf16":
+            self.experts = Inkling2Experts(config)
+        else:
+            quantization = config.expert_quantization
+            self.experts = Inkling2QuantizedExperts(
+                config,
+                expert_format,
+                outer_scales=tuple(quantization.get("nvfp4_outer_scales", ())),
+                per_half=quantization.get("nvfp4_outer_per_half", False),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -357,7 +332,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         self.attention_input = Inkling2BlockAttentionResidual(config, num_inputs) if layer_idx > 0 else None
         self.mlp_input = Inkling2BlockAttentionResidual(config)
         self.self_attn = Inkling2Attention(config, layer_idx)
-        self.mlp = Inkling2SparseMoeBlock(config)
+        self.mlp = Inkling2SparseMoeBlock(config, layer_idx)
         if self.is_sliding:
             self.input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
         else:
@@ -443,14 +418,23 @@ class Inkling2PreTrainedModel(PreTrainedModel):
     ]
 
     @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Our experts read `config._experts_implementation` ("grouped_mm" by default, or "eager")."""
+        return True
+
+    @classmethod
     def from_pretrained(cls, *args, allow_incomplete_checkpoint: bool = False, **kwargs):
         """Loads like any transformers model, but a checkpoint with missing or unexpected tensors is an error
         (naming them) instead of a warning that leaves part of the model random. Pass
         `allow_incomplete_checkpoint=True` to accept such a checkpoint, e.g. to initialize new parts."""
         return_info = kwargs.pop("output_loading_info", False)
+        if isinstance(kwargs.get("config"), PreTrainedConfig) and args:
+            kwargs["config"] = copy.deepcopy(kwargs["config"])
+            attach_expert_quantization(kwargs["config"], args[0], kwargs.get("revision"))
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if not allow_incomplete_checkpoint:
             raise_on_incomplete_load(cls.__name__, info)
+        validate_quantized_experts(model)
         return (model, info) if return_info else model
 
     @torch.no_grad()

@@ -6,6 +6,8 @@ random: it exists to exercise the code path, and everything that prints from it 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .configuration_inkling2 import Inkling2Config, Inkling2TextConfig
@@ -54,7 +56,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch
             if not tensor.is_floating_point():
                 continue
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
-            if name.endswith("l2_clip.scale") or ("norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight")):
+            if re.search(r"(l2_clip\.scale|norm[^.]*\.weight)$", name):
                 values = values + 1.0
             tensor.copy_(values.to(tensor.dtype))
     return model

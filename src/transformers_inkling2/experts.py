@@ -1,0 +1,177 @@
+"""The routed experts of an Inkling2 MoE layer, in the three storages of the official checkpoints.
+
+Every expert computes `down(softcap4(g) * sigmoid(g) * softcap25(u))` with `[g; u] = gate_up(x)`, and a token's
+output is the routing-weighted sum of its experts' outputs, accumulated in fp32.
+
+- `Inkling2Experts`: BF16 (or fp32) weights `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj`
+  [E, H, I]. `experts_implementation="grouped_mm"` (the default) runs one `torch._grouped_mm` per projection over
+  the tokens sorted by expert; `"eager"` is the reference loop over the experts that received tokens.
+- `Inkling2QuantizedExperts`: NVFP4 or MXFP8 weights that stay packed in memory (see `quantized_formats`). On CUDA
+  they run through the `inkling2_moe` hub kernel (fused dequantization); elsewhere, and with
+  `experts_implementation="eager"`, each active expert is dequantized on the fly and computed like the BF16 reference.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import quantized_formats as qf
+from .configuration_inkling2 import Inkling2TextConfig
+
+EXPERT_IMPLEMENTATIONS = ("eager", "grouped_mm")
+# NVFP4 outer-scale tensors a checkpoint may carry (suffix after `w13_weight_` / `w2_weight_`) and the argument of
+# `quantized_formats.nvfp4_outer_multiplier` each one is: ModelOpt's multiplier, compressed-tensors' divisor, or
+# amax (with an optional denominator, 448 * 6 by default).
+NVFP4_OUTER_SCALES = {
+    "scale_2": "weight_scale_2",
+    "global_scale": "weight_global_scale",
+    "amax": "amax",
+    "outer_scale_denominator": "outer_scale_denominator",
+}
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Smoothly bounds `x` to (-cap, cap)."""
+    return cap * torch.tanh(x / cap)
+
+
+def softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.Tensor:
+    """`softcap(g) * sigmoid(g) * softcap(u)`: the sigmoid sees the raw gate; in fp32."""
+    gate, up = gate.float(), up.float()
+    return softcap(gate, gate_cap) * torch.sigmoid(gate) * softcap(up, up_cap)
+
+
+def experts_implementation(config: Inkling2TextConfig) -> str:
+    name = getattr(config, "_experts_implementation", None) or "grouped_mm"
+    if name not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(
+            f"Inkling2 experts run with `experts_implementation` in {EXPERT_IMPLEMENTATIONS}, got {name!r}."
+        )
+    return name
+
+
+class Inkling2ExpertsBase(nn.Module):
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.n_routed_experts
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.moe_intermediate_size
+        self.gate_cap, self.up_cap = config.mlp_gate_softcap, config.mlp_up_softcap
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert in a dtype that matmuls with the activations."""
+        raise NotImplementedError
+
+    def loop_over_experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The reference: x [N, H]; expert_ids, weights [N, k]. Outputs accumulate in fp32."""
+        output = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in expert_ids.unique().tolist():
+            token, slot = torch.where(expert_ids == expert)
+            gate_up, down = self.expert_weights(expert)
+            gate, up = F.linear(x[token], gate_up.to(x.dtype)).chunk(2, dim=-1)
+            hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
+            expert_output = F.linear(hidden, down.to(x.dtype)) * weights[token, slot, None]
+            output.index_add_(0, token, expert_output.float())
+        return output.to(x.dtype)
+
+
+class Inkling2Experts(Inkling2ExpertsBase):
+    """Routed experts as stacked BF16 weights."""
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__(config)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, self.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, self.intermediate_size))
+
+    def expert_weights(self, expert: int):
+        return self.gate_up_proj[expert], self.down_proj[expert]
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if experts_implementation(self.config) == "eager":
+            return self.loop_over_experts(x, expert_ids, weights)
+        return self.grouped(x, expert_ids, weights)
+
+    def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sorts the (token, slot) pairs by expert and runs each projection as one grouped GEMM; no host sync."""
+        tokens, top_k = expert_ids.shape
+        order = expert_ids.reshape(-1).argsort(stable=True)
+        ends = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).cumsum(0).to(torch.int32)
+        sorted_x = x[order // top_k]
+        gate, up = torch._grouped_mm(sorted_x, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
+        sorted_out = torch._grouped_mm(hidden, self.down_proj.transpose(1, 2), offs=ends)
+        per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
+        per_slot[order] = sorted_out.float() * weights.reshape(-1)[order, None]
+        # summed slot by slot in a fixed order: deterministic
+        return per_slot.view(tokens, top_k, -1).sum(1).to(x.dtype)
+
+
+class Inkling2QuantizedExperts(Inkling2ExpertsBase):
+    """Routed experts whose weights stay packed: NVFP4 (E2M1 codes two per byte, E4M3 scales per 16 inputs, fp32
+    outer scales per expert or per gate/up half) or MXFP8 (E4M3 values, E8M0 scales per 32 inputs).
+
+    Buffers mirror the checkpoint's tensors (`gate_up_proj` <- `w13_weight`, `gate_up_proj_scale` <-
+    `w13_weight_scale`, `gate_up_proj_<outer>` <- `w13_weight_<outer>` for the NVFP4 outer-scale tensors the
+    checkpoint carries: `scale_2`, `global_scale`, `amax`, ...), so that loading is a renaming and
+    saving writes the same layout back. They are frozen: quantized experts are not trained.
+    """
+
+    def __init__(self, config: Inkling2TextConfig, fmt: str, outer_scales: tuple[str, ...] = (), per_half: bool = False):
+        super().__init__(config)
+        if fmt not in ("nvfp4", "mxfp8"):
+            raise ValueError(f"Unknown quantized expert format {fmt!r}: expected 'nvfp4' or 'mxfp8'.")
+        self.format, self.outer_scale_names, self.per_half = fmt, tuple(outer_scales), per_half
+        experts, inner, hidden = self.num_experts, self.intermediate_size, self.hidden_size
+        for name, rows, columns, halves in (("gate_up_proj", 2 * inner, hidden, 2), ("down_proj", hidden, inner, 1)):
+            if fmt == "nvfp4":
+                self._frozen(name, (experts, rows, columns // 2), torch.uint8)
+                self._frozen(f"{name}_scale", (experts, rows, columns // qf.NVFP4_BLOCK_SIZE), torch.float8_e4m3fn)
+                outer_shape = (experts, 2) if per_half and halves == 2 else (experts,)
+                for outer in self.outer_scale_names:
+                    self._frozen(f"{name}_{outer}", outer_shape, torch.float32)
+            else:
+                self._frozen(name, (experts, rows, columns), torch.float8_e4m3fn)
+                self._frozen(f"{name}_scale", (experts, rows, columns // qf.MXFP8_BLOCK_SIZE), torch.uint8)
+
+    def _frozen(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+
+    def outer_multiplier(self, name: str) -> torch.Tensor:
+        """fp32 multiplier per expert ([E] or [E, 2]) from whichever outer-scale convention the checkpoint uses."""
+        tensors = {outer: getattr(self, f"{name}_{outer}") for outer in self.outer_scale_names}
+        return qf.nvfp4_outer_multiplier(**{NVFP4_OUTER_SCALES[outer]: t for outer, t in tensors.items()})
+
+    def expert_weights(self, expert: int):
+        """Dequantizes one expert (only the experts a batch uses, one at a time: no dequantized model copy)."""
+        weights = []
+        for name in ("gate_up_proj", "down_proj"):
+            packed, scale = getattr(self, name)[expert : expert + 1], getattr(self, f"{name}_scale")[expert : expert + 1]
+            outer = self.outer_multiplier(name)[expert : expert + 1] if self.format == "nvfp4" else None
+            weights.append(
+                qf.dequantize_expert_weights(packed, scale, outer, quant_format=self.format, dtype=torch.float32)[0]
+            )
+        return tuple(weights)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and experts_implementation(self.config) == "grouped_mm":
+            from .kernel_loading import moe_kernel
+
+            nvfp4 = self.format == "nvfp4"
+            return moe_kernel().moe_forward(
+                x.to(torch.bfloat16),
+                expert_ids,
+                weights.float(),
+                self.gate_up_proj,
+                self.down_proj,
+                self.format,
+                w13_scale=self.gate_up_proj_scale,
+                w2_scale=self.down_proj_scale,
+                w13_outer=self.outer_multiplier("gate_up_proj") if nvfp4 else None,
+                w2_outer=self.outer_multiplier("down_proj") if nvfp4 else None,
+                gate_cap=self.gate_cap,
+                up_cap=self.up_cap,
+            ).to(x.dtype)
+        return self.loop_over_experts(x, expert_ids, weights)
+
+    def extra_repr(self) -> str:
+        return f"format={self.format}, experts={self.num_experts}, outer_scales={self.outer_scale_names}"

@@ -1,0 +1,32 @@
+"""The one place where the model meets its hub kernels.
+
+The routed-expert kernel (`inkling2_moe`: routing, grouped GEMMs with fused NVFP4 / MXFP8 dequantization, the
+softcapped SwiGLU and the combine) is a kernel package in the Hub layout under `hub_kernels/inkling2_moe`, loaded
+with the `kernels` library. By default it is loaded from that local folder; set `INKLING2_MOE_KERNEL` to another
+local folder, or to a Hub repo id (`owner/name`, optionally `owner/name@revision`) to load a published build.
+"""
+
+import functools
+import os
+from pathlib import Path
+
+KERNEL_ENV = "INKLING2_MOE_KERNEL"
+LOCAL_KERNEL = Path(__file__).resolve().parents[2] / "hub_kernels" / "inkling2_moe"
+
+
+@functools.cache
+def moe_kernel():
+    """The loaded `inkling2_moe` kernel module (imported once per process)."""
+    import kernels
+
+    source = os.environ.get(KERNEL_ENV)
+    if source is None or Path(source).exists():
+        path = Path(source) if source else LOCAL_KERNEL
+        if not (path / "build").is_dir():
+            raise FileNotFoundError(
+                f"The inkling2_moe kernel is not at {path} (a `build/` folder is expected there). Run from a "
+                f"checkout of transformers-inkling2, or set {KERNEL_ENV} to the kernel's folder or Hub repo id."
+            )
+        return kernels.get_local_kernel(path)
+    repo_id, _, revision = source.partition("@")
+    return kernels.get_kernel(repo_id, revision=revision or None)

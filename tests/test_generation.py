@@ -74,3 +74,11 @@ def test_a_foreign_cache_is_a_clear_error(models):
     ours, _ = models
     with pytest.raises(TypeError, match="Inkling2Cache"):
         ours(torch.randint(0, 500, (1, 4)), past_key_values=DynamicCache())
+
+
+def test_chunked_prefill_generates_the_same_tokens(models):
+    """`prefill_chunk_size` bounds activation memory by the chunk: the cache carries everything across chunks."""
+    ours, _ = models
+    input_ids, attention_mask = left_padded_batch(seed=4, length=30, pad=4)
+    whole = greedy_generate(ours, input_ids, attention_mask, new_tokens=8)
+    assert torch.equal(whole, greedy_generate(ours, input_ids, attention_mask, new_tokens=8, prefill_chunk_size=7))

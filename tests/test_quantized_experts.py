@@ -212,8 +212,26 @@ def test_grouped_bf16_experts_equal_the_reference_loop():
     assert ((grouped - loop).norm() / loop.norm()).item() <= 1e-2
 
 
-def test_quantized_experts_are_frozen_buffers(checkpoints):
+def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
     quantized = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed")
     experts = quantized.model.layers[0].mlp.experts
     assert isinstance(experts, Inkling2QuantizedExperts)
     assert not any(name.startswith("model.layers.0.mlp.experts") for name, _ in quantized.named_parameters())
+    before = {name: buffer.clone() for name, buffer in experts.named_buffers()}
+    quantized.to(torch.bfloat16)
+    for name, buffer in experts.named_buffers():
+        assert buffer.dtype == before[name].dtype and torch.equal(buffer.view(torch.uint8), before[name].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp_path):
+    """On CUDA the packed experts go through the inkling2_moe kernel; the reference dequantizes them on the CPU."""
+    config = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "num_experts_per_tok": 4}
+    model = randomize_(Inkling2ForCausalLM(Inkling2TextConfig(**config)), seed=6).eval()
+    model.save_pretrained(tmp_path / "bf16")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "mixed", mxfp8_from=4)
+    reference = logits(Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.float32))
+    on_gpu = Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.bfloat16, device_map="cuda")
+    with torch.no_grad():
+        kernel_logits = on_gpu(INPUT_IDS.cuda(), use_cache=False).logits.float().cpu()
+    assert ((kernel_logits - reference).norm() / reference.norm()).item() <= 2e-2

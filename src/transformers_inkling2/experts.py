@@ -136,6 +136,13 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
     def _frozen(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.register_buffer(name, torch.zeros(shape, dtype=dtype))
 
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.cuda()`, `.bfloat16()` move the packed tensors but never cast them: their dtype is their format
+        (a cast would turn E4M3 bytes into numbers and round the fp32 outer scales)."""
+        for name, buffer in self._buffers.items():
+            self._buffers[name] = buffer.to(fn(buffer.new_empty(0)).device)
+        return self
+
     def outer_multiplier(self, name: str) -> torch.Tensor:
         """fp32 multiplier per expert ([E] or [E, 2]) from whichever outer-scale convention the checkpoint uses."""
         tensors = {outer: getattr(self, f"{name}_{outer}") for outer in self.outer_scale_names}

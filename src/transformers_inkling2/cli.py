@@ -2,6 +2,7 @@
 
     inkling2                                  generate with the embedded tiny model (no download)
     inkling2 generate --model PATH --prompt "..." [--max-new-tokens N] [--device cuda] [--dtype bfloat16]
+    inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high]   OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-SUBCOMMANDS = ("generate",)
+SUBCOMMANDS = ("generate", "serve")
 DEFAULT_PROMPT = "Write one sentence about the sea."
 
 
@@ -28,6 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=0)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")
+    serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-id", help="the name /v1/models reports (default: the checkpoint folder's name)")
+    serve.add_argument("--max-tokens", type=int, default=1024, help="for requests that do not say")
+    serve.add_argument("--effort", help="default thinking effort: none/minimal/low/medium/high/xhigh/max or 0-0.99")
+    serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     return parser
 
 
@@ -99,12 +109,32 @@ def run_generate(args: argparse.Namespace) -> None:
     )
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    from .serving import serve
+
+    device = resolve_device(args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, device, resolve_dtype(args.dtype, device))
+    processor = None
+    if args.model is not None:  # images need the checkpoint's image processor; text-only serving works without
+        try:
+            from .processing_inkling2 import Inkling2Processor
+
+            processor = Inkling2Processor.from_pretrained(args.model)
+        except (ImportError, OSError, ValueError) as error:
+            print(f"[serve] no image processor ({type(error).__name__}: {error}); serving text only", flush=True)
+    effort = args.effort
+    if effort is not None and effort.replace(".", "", 1).isdigit():
+        effort = float(effort)
+    model_id = args.model_id or (args.model.rstrip("/").split("/")[-1] if args.model else "inkling2-tiny-random")
+    serve(model, tokenizer, processor, args.host, args.port, model_id, args.max_tokens, effort)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
         argv = ["generate", *argv]
     args = build_parser().parse_args(argv)
-    {"generate": run_generate}[args.command](args)
+    {"generate": run_generate, "serve": run_serve}[args.command](args)
 
 
 if __name__ == "__main__":

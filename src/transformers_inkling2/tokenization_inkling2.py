@@ -24,6 +24,9 @@ from tokenizers.models import BPE
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from .chat_template import CHAT_TEMPLATE
+from .response_parsing import RESPONSE_TEMPLATE
+
 # tiktoken's o200k_base split pattern (a fact of the encoding; byte-for-byte the same alternatives).
 O200K_PATTERN = "|".join(
     [
@@ -155,6 +158,8 @@ class Inkling2Tokenizer(TokenizersBackend):
         kwargs.setdefault("model_max_length", 1_048_576)
         kwargs.setdefault("padding_side", "left")  # passed (not a class attribute) so tokenizer_config.json records it
         kwargs.setdefault("clean_up_tokenization_spaces", False)
+        kwargs.setdefault("chat_template", CHAT_TEMPLATE)  # the Inkling chat format (chat_template.py)
+        kwargs.setdefault("response_template", copy.deepcopy(RESPONSE_TEMPLATE))  # parse_response, pipelines
         if tokenizer_file is None and tokenizer_object is None:
             # Built from the tiktoken ranks; the base class deep-copies it, so the cache stays clean.
             tokenizer_object = _build_backend_cached(default_tiktoken_path())

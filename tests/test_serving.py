@@ -1,0 +1,348 @@
+"""`inkling2 serve` end to end: the real `openai` client against the server on loopback, in-process.
+
+Most tests script the model's text (the server takes an injectable generation function), so they can check that
+reasoning, content and tool calls reach the client as OpenAI's fields; one runs the embedded tiny model. Every
+request is bounded (client timeout, no retries) and the server, with its request threads, is stopped at the end.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from transformers_inkling2.cli import build_parser
+from transformers_inkling2.serving import ChatCompletions, Inkling2Server, model_generate_fn, to_template_messages
+from transformers_inkling2.tiny import build_tiny_causal_lm
+from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
+
+openai = pytest.importorskip("openai")
+
+THINK, TEXT, END, MODEL, EOT = (
+    "<|content_thinking|>",
+    "<|content_text|>",
+    "<|end_message|>",
+    "<|message_model|>",
+    "<|content_model_end_sampling|>",
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+FULL_TURN = [
+    f"{THINK}The user wants",
+    f" the weather.{END}{MODEL}{TEXT}Let me ",
+    "check.",
+    f"{END}{MODEL}get_weather<|content_invoke_tool_json|>",
+    '{"name":"get_weather","args":{"city":"San Francisco","days":[1,2]}}',
+    f"{END}{EOT}",
+]
+
+
+class Script:
+    """A generation function that replays scripted text and records what it was asked."""
+
+    def __init__(self):
+        self.chunks = FULL_TURN
+        self.calls = []
+        self.closed = threading.Event()
+        self.delay = 0.0
+
+    def __call__(self, inputs, params):
+        self.calls.append((inputs, params))
+        try:
+            for chunk in self.chunks:
+                time.sleep(self.delay)
+                yield chunk
+        finally:
+            self.closed.set()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_inkling2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_tiny_causal_lm()
+
+
+@pytest.fixture(scope="module")
+def processor(tok):
+    processing = pytest.importorskip("transformers_inkling2.processing_inkling2")
+    from transformers_inkling2.image_processing_inkling2 import Inkling2ImageProcessorPil
+
+    return processing.Inkling2Processor(image_processor=Inkling2ImageProcessorPil(), tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def script():
+    return Script()
+
+
+@pytest.fixture(scope="module")
+def server(tok, script):
+    threads_before = set(threading.enumerate())
+    srv = Inkling2Server(ChatCompletions(tok, script, model_id="inkling2-test"), host="127.0.0.1", port=0).start()
+    yield srv
+    srv.stop()
+    leftover = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert not leftover, f"threads left running: {leftover}"
+
+
+@pytest.fixture()
+def client(server, script):
+    script.chunks, script.delay, script.calls[:] = FULL_TURN, 0.0, []
+    script.closed.clear()
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=15)
+
+
+def prompt_text(tok, script):
+    inputs, _ = script.calls[-1]
+    return tok.decode(inputs["input_ids"][0], skip_special_tokens=False)
+
+
+def test_models(client):
+    assert [model.id for model in client.models.list()] == ["inkling2-test"]
+
+
+def test_chat_completion_returns_reasoning_content_and_tool_calls(tok, client, script):
+    reply = client.chat.completions.create(
+        model="inkling2-test",
+        messages=[{"role": "system", "content": "Be useful."}, {"role": "user", "content": "Weather in SF?"}],
+        tools=[WEATHER],
+        max_tokens=64,
+        temperature=0,
+        reasoning_effort="low",
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    assert choice.message.model_extra["reasoning_content"] == "The user wants the weather."
+    assert choice.message.model_extra["reasoning"] == "The user wants the weather."
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.type == "function" and tool_call.id.startswith("call_")
+    assert tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "San Francisco", "days": [1, 2]}
+    assert reply.usage.prompt_tokens == script.calls[-1][0]["input_ids"].shape[-1]
+    assert reply.usage.completion_tokens == len(tok("".join(FULL_TURN), add_special_tokens=False)["input_ids"])
+    # the prompt: system, tool_declare, effort 0.2, user, generation prompt; sampling parameters passed through
+    assert prompt_text(tok, script) == tok.apply_chat_template(
+        [{"role": "system", "content": "Be useful."}, {"role": "user", "content": "Weather in SF?"}],
+        tools=[WEATHER],
+        effort="low",
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert "Thinking effort level: 0.2" in prompt_text(tok, script)
+    params = script.calls[-1][1]
+    assert (params.max_new_tokens, params.temperature) == (64, 0.0)
+
+
+def test_streaming_sends_reasoning_content_and_tool_call_deltas(client):
+    stream = client.chat.completions.create(
+        model="inkling2-test",
+        messages=[{"role": "user", "content": "Weather in SF?"}],
+        tools=[WEATHER],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    reasoning, content, tool_calls, finish, usage = "", "", [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        tool_calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == "The user wants the weather."
+    assert content == "Let me check."
+    (tool_call,) = tool_calls
+    assert tool_call.index == 0 and tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "San Francisco", "days": [1, 2]}
+    assert finish == "tool_calls"
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_truncated_reply_finishes_with_length(client, script):
+    script.chunks = [f"{THINK}still thinking when max_tokens hit"]
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=8)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.model_extra["reasoning_content"] == "still thinking when max_tokens hit"
+    assert reply.choices[0].message.content == ""
+
+
+def test_malformed_tool_call_is_reported_not_raised(client, script):
+    script.chunks = [
+        f"{TEXT}ok{END}{MODEL}get_weather<|content_invoke_tool_json|>" + '{"name":"get_weather","args":{"ci' + END + EOT
+    ]
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], tools=[WEATHER])
+    message = reply.choices[0].message
+    assert message.content == "ok" and message.tool_calls is None
+    assert reply.choices[0].finish_reason == "stop"
+    (invalid,) = message.model_extra["invalid_tool_calls"]
+    assert invalid["name"] == "get_weather" and "invalid JSON" in invalid["error"]
+
+
+def test_multi_turn_history_renders_like_tml(tok, client, script):
+    """The client sends back our tool call (JSON-string arguments) and a tool result with only tool_call_id."""
+    first = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in SF?"}], tools=[WEATHER]
+    )
+    assistant = first.choices[0].message.model_dump(exclude_none=True)
+    assistant.pop("reasoning", None)  # keep one name for the reasoning, as clients usually do
+    call_id = assistant["tool_calls"][0]["id"]
+    script.chunks = [f"{TEXT}It is sunny.{END}{EOT}"]
+    history = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in SF?"},
+        assistant,
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
+    ]
+    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER], reasoning_effort="high")
+    assert second.choices[0].message.content == "It is sunny."
+    assert second.choices[0].finish_reason == "stop"
+
+    tml_chat = pytest.importorskip("tml_renderers.chat")
+    from tml_renderers import tokenizers, v0
+
+    tml_messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "tool_declare", "content": json.dumps([WEATHER])},
+        {"role": "user", "content": "Weather in SF?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "The user wants the weather."},
+                {"type": "text", "text": "Let me check."},
+            ],
+            "tool_calls": [{"id": call_id, "type": "function", "function": assistant["tool_calls"][0]["function"]}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "name": "get_weather", "content": "sunny"},
+    ]
+    renderer = v0.Renderer(tokenizers.O200kBaseChatTokenizer())
+    spans, _ = renderer.render_for_completion_with_effort(tml_chat.MessageList.from_oss_messages(tml_messages), 0.9)
+    expected = [t for span in spans for t in span.span.int_tokens] + [200001]
+    assert script.calls[-1][0]["input_ids"][0].tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "request_fields,message",
+    [
+        ({"messages": [{"role": "robot", "content": "x"}]}, "Unsupported role 'robot'"),
+        ({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}, "thinking effort"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            "no image processor",
+        ),
+    ],
+)
+def test_bad_requests_get_400(client, request_fields, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(model="m", **request_fields)
+
+
+def test_client_leaving_mid_stream_stops_generation(client, script):
+    script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 2000, 0.005  # ~10 s if nobody stops it
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], stream=True)
+    start = time.monotonic()
+    for index, _ in enumerate(stream):
+        if index == 3:
+            break
+    stream.close()
+    assert script.closed.wait(5), "generation kept running after the client left"
+    assert time.monotonic() - start < 5
+
+
+def test_images_go_through_the_processor(tok, processor, script):
+    """An image_url part reaches the processor: pixel values and one placeholder per image feature."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (120, 80), (10, 200, 30)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    app = ChatCompletions(tok, script, processor=processor)
+    with Inkling2Server(app, port=0).start() as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=15)
+        script.chunks = [f"{TEXT}A green rectangle.{END}{EOT}"]
+        reply = client.chat.completions.create(
+            model="m",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is it?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+        )
+    assert reply.choices[0].message.content == "A green rectangle."
+    inputs, _ = script.calls[-1]
+    assert "pixel_values" in inputs and "image_grid_thw" in inputs
+    features = int(inputs["image_grid_thw"].prod())
+    assert features == (80 // 40) * (120 // 40)
+    assert inputs["input_ids"][0].tolist().count(tok.convert_tokens_to_ids("<|unused_200054|>")) == features
+
+
+def test_the_tiny_model_end_to_end(tok, tiny_model):
+    """The real generation path: model.generate in a worker thread, streamed text, parsed, a few tokens."""
+    app = ChatCompletions(tok, model_generate_fn(tiny_model, tok), model_id="tiny")
+    threads_before = set(threading.enumerate())
+    with Inkling2Server(app, port=0).start() as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=30)
+        messages = [{"role": "user", "content": "Hello"}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+        chunks = list(
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, stream=True)
+        )
+    assert set(threading.enumerate()) - threads_before == set()
+    assert 1 <= reply.usage.completion_tokens <= 6  # retokenized text: at most one more than generated
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # greedy: the stream carries the same reply
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (reply.choices[0].message.content or "")
+    assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+    with torch.no_grad():  # and it is what generate() writes for this prompt
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+        output = tiny_model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    from transformers_inkling2.response_parsing import parse_response
+
+    assert (parse_response(output[0, prompt.shape[1] :], tok)["content"] or None) == reply.choices[0].message.content
+
+
+def test_openai_messages_become_template_messages():
+    converted = to_template_messages(
+        [
+            {"role": "developer", "content": "d"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}
+                ],
+            },
+        ]
+    )
+    assert converted[0] == {"role": "system", "content": "d"}
+    assert converted[1]["content"] == [{"type": "image", "url": "data:image/png;base64,AA"}]
+    assert converted[2]["tool_calls"][0]["function"]["arguments"] == {"b": 1, "a": 2}
+
+
+def test_serve_subcommand_parses():
+    args = build_parser().parse_args(["serve", "--port", "0", "--effort", "high", "--max-tokens", "16"])
+    assert (args.command, args.port, args.effort, args.max_tokens, args.host) == ("serve", 0, "high", 16, "127.0.0.1")

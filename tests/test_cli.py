@@ -14,6 +14,16 @@ def test_main_job_generates_with_the_embedded_tiny_model(capsys):
     assert "4 new tokens" in out and "tokens/s" in out
 
 
+def test_main_job_takes_an_image_through_the_pipeline(tmp_path, capsys):
+    import numpy as np
+    import PIL.Image
+
+    PIL.Image.fromarray(np.full((50, 90, 3), 128, dtype=np.uint8)).save(tmp_path / "grey.png")
+    main(["--max-new-tokens", "3", "--image", str(tmp_path / "grey.png")])
+    out = capsys.readouterr().out
+    assert "[image: " in out and "3 new tokens" in out
+
+
 def test_module_entry_point_runs():
     result = subprocess.run(
         [sys.executable, "-m", "transformers_inkling2", "generate", "--max-new-tokens", "2"],

@@ -1,7 +1,8 @@
 """The `inkling2` command (also `python -m transformers_inkling2`).
 
     inkling2                                  generate with the embedded tiny model (no download)
-    inkling2 generate --model PATH --prompt "..." [--max-new-tokens N] [--device cuda] [--dtype bfloat16]
+    inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
+    inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high]   OpenAI-compatible server
 """
 
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-SUBCOMMANDS = ("generate", "serve")
+SUBCOMMANDS = ("generate", "serve", "quantize")
 DEFAULT_PROMPT = "Write one sentence about the sea."
 
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate a reply to a prompt (the default command)")
     generate.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
     generate.add_argument("--prompt", default=DEFAULT_PROMPT)
+    generate.add_argument("--image", help="an image (path or URL) to ask about")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     generate.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -38,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--effort", help="default thinking effort: none/minimal/low/medium/high/xhigh/max or 0-0.99")
     serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
+    quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
+    quantize.add_argument("target", help="output folder")
+    quantize.add_argument("--mxfp8-from", type=int, default=40, help="first layer with MXFP8 experts (NVFP4 before)")
     return parser
 
 
@@ -57,56 +63,100 @@ def load_model_and_tokenizer(model_path: str | None, device: torch.device, dtype
     """A checkpoint's model and tokenizer, or the embedded tiny model with the real tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import TINY_MODEL_LABEL, build_tiny_causal_lm
+    from .tiny import TINY_MODEL_LABEL, build_tiny_model
     from .tokenization_inkling2 import build_inkling2_tokenizer
 
     if model_path is None:
         print(f"[model] {TINY_MODEL_LABEL}", flush=True)
-        return build_tiny_causal_lm().to(device=device, dtype=dtype), build_inkling2_tokenizer()
+        return build_tiny_model().to(device=device, dtype=dtype), build_inkling2_tokenizer()
     print(f"[model] {model_path}", flush=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device)
     return model.eval(), AutoTokenizer.from_pretrained(model_path)
 
 
-def render_prompt(tokenizer, prompt: str) -> list[int]:
-    """One user turn and the start of the model's turn, in the Inkling chat format."""
-    if tokenizer.chat_template:
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    text = f"<|message_user|><|content_text|>{prompt}<|end_message|><|message_model|>"
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def load_processor(model_path: str | None):
+    """The multimodal processor (tokenizer, image processor, chat template) of a checkpoint, or the real one for
+    the tiny model; None for a text-only checkpoint."""
+    from .tiny import build_tiny_processor
+
+    if model_path is None:
+        return build_tiny_processor()
+    from .processing_inkling2 import Inkling2Processor
+
+    try:
+        return Inkling2Processor.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+
+
+class CountingStreamer:
+    """Prints the reply as it is generated and counts its tokens."""
+
+    def __init__(self, tokenizer):
+        from transformers import TextStreamer
+
+        self.printer = TextStreamer(tokenizer, skip_prompt=True)
+        self.prompt_seen, self.new_tokens = False, 0
+
+    def put(self, value):
+        if self.prompt_seen:
+            self.new_tokens += value.numel()
+        self.prompt_seen = True
+        self.printer.put(value)
+
+    def end(self):
+        self.printer.end()
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from transformers import TextStreamer
+    """One chat turn through transformers' pipeline ("image-text-to-text", or "text-generation" for a text-only
+    checkpoint), streamed, with its speed."""
+    from transformers import pipeline
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_model_and_tokenizer(args.model, device, dtype)
-    input_ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=device)
+    processor = load_processor(args.model)
+    if args.image and processor is None:
+        raise SystemExit(f"{args.model} has no image processor (preprocessor_config.json): it cannot take --image.")
+    content = [{"type": "text", "text": args.prompt}]
+    if args.image:
+        content.insert(0, {"type": "image", "url" if "://" in args.image else "path": args.image})
+    messages = [{"role": "user", "content": content}]
+    if processor is not None:
+        generator = pipeline("image-text-to-text", model=model, processor=processor)
+    else:
+        generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     torch.manual_seed(args.seed)
+    streamer = CountingStreamer(processor.tokenizer if processor is not None else tokenizer)
 
-    print(f"[prompt] {args.prompt}\n[reply] ", end="", flush=True)
+    print(f"[prompt] {args.prompt}" + (f" [image: {args.image}]" if args.image else "") + "\n[reply] ", end="", flush=True)
     start = time.perf_counter()
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
+    generator(
+        text=messages,
         max_new_tokens=args.max_new_tokens,
-        do_sample=args.sample,
-        temperature=args.temperature if args.sample else None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=tokenizer.pad_token_id,
-        streamer=TextStreamer(tokenizer, skip_prompt=True),
+        generate_kwargs=dict(
+            do_sample=args.sample,
+            temperature=args.temperature if args.sample else None,
+            top_p=None,
+            top_k=None,
+            streamer=streamer,
+        ),
     )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    new_tokens = output.shape[1] - input_ids.shape[1]
     print(
-        f"\n[speed] {new_tokens} new tokens in {elapsed:.2f} s: {new_tokens / elapsed:.1f} tokens/s "
-        f"(prompt {input_ids.shape[1]} tokens, {device.type}, {str(dtype).removeprefix('torch.')})"
+        f"\n[speed] {streamer.new_tokens} new tokens in {elapsed:.2f} s: {streamer.new_tokens / elapsed:.1f} tokens/s "
+        f"({device.type}, {str(dtype).removeprefix('torch.')}, prompt processing included)"
     )
+
+
+def run_quantize(args: argparse.Namespace) -> None:
+    from .quantize import quantize_checkpoint
+
+    target = quantize_checkpoint(args.source, args.target, mxfp8_from=args.mxfp8_from)
+    print(f"[quantize] wrote {target}")
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -114,14 +164,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
     device = resolve_device(args.device)
     model, tokenizer = load_model_and_tokenizer(args.model, device, resolve_dtype(args.dtype, device))
-    processor = None
-    if args.model is not None:  # images need the checkpoint's image processor; text-only serving works without
-        try:
-            from .processing_inkling2 import Inkling2Processor
-
-            processor = Inkling2Processor.from_pretrained(args.model)
-        except (ImportError, OSError, ValueError) as error:
-            print(f"[serve] no image processor ({type(error).__name__}: {error}); serving text only", flush=True)
+    processor = load_processor(args.model)
+    if processor is None:
+        print("[serve] the checkpoint has no image processor: serving text only", flush=True)
     effort = args.effort
     if effort is not None and effort.replace(".", "", 1).isdigit():
         effort = float(effort)
@@ -134,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
         argv = ["generate", *argv]
     args = build_parser().parse_args(argv)
-    {"generate": run_generate, "serve": run_serve}[args.command](args)
+    {"generate": run_generate, "serve": run_serve, "quantize": run_quantize}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ The data path, module by module:
     tokenization_inkling2    `Inkling2Tokenizer`: o200k_base + the 60 Inkling special tokens
     image_processing_inkling2  `Inkling2ImageProcessorPil`: images -> 40x40 pixel blocks, one per image token
     processing_inkling2      `Inkling2Processor`: tokenizer + image processor + chat template
+    chat_template            the Inkling chat format (effort, tools, thinking, images)
+    response_parsing         generated text -> {"thinking", "content", "tool_calls"}, also streaming
+    serving                  `inkling2 serve`: an OpenAI-compatible server
+    experts                  routed experts: BF16 (grouped GEMM) and packed NVFP4 / MXFP8
+    quantized_checkpoints    which layers are NVFP4 / MXFP8, read from the tensor headers; scale validation
+    quantize                 `inkling2 quantize`: BF16 -> the official mixed layout
+    kernel_loading           the `inkling2_moe` hub kernel, through the `kernels` library
     tiny, cli                the embedded tiny model and the `inkling2` command
 
 Importing the package registers every class with transformers' Auto classes, ahead of transformers' own
@@ -25,6 +32,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForMultimodalLM,
     AutoProcessor,
     AutoTokenizer,
 )
@@ -52,6 +60,7 @@ def _register() -> None:
     # the official checkpoints are multimodal: as a causal LM they load with their image support
     AutoModelForCausalLM.register(Inkling2Config, Inkling2ForConditionalGeneration, exist_ok=True)
     AutoModelForImageTextToText.register(Inkling2Config, Inkling2ForConditionalGeneration, exist_ok=True)
+    AutoModelForMultimodalLM.register(Inkling2Config, Inkling2ForConditionalGeneration, exist_ok=True)
     for config_class in (Inkling2Config, Inkling2TextConfig):
         AutoTokenizer.register(config_class, tokenizer_class=Inkling2Tokenizer, exist_ok=True)
     # a "pil" backend: the built-in image processor needs torchvision, ours does not

@@ -23,7 +23,7 @@ setup(
         "tml-renderers>=0.2.1",
     ],
     extras_require={
-        "test": ["pytest>=8", "tiktoken>=0.9"],
+        "test": ["pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1"],
     },
     entry_points={"console_scripts": ["inkling2=transformers_inkling2.cli:main"]},
 )

@@ -1,0 +1,288 @@
+"""Achieved HBM bandwidth of the inkling2_moe hub kernel on decode shapes (one GPU).
+
+For NVFP4, MXFP8 (and BF16) experts at Inkling-2-Small size (E=384, H=4608, I=2304, top-8) and
+T = 1, 8, 64, 256 tokens: time of one whole `moe_forward` (routing + both GEMMs + combine), as the median
+replay of a CUDA graph holding R calls with R different routings and inputs (so repeats are not served
+from L2), divided by R. Bandwidth = bytes of the ACTIVE experts' weights and scales (each read once) /
+time. Next to it: `torch._grouped_mm` on BF16 weights with the same routings (same accounting with BF16
+bytes), and the measured device-to-device copy bandwidth (bytes read + written) as the ceiling.
+Also: a small sweep of decode tile shapes, and prefill (T = 2048, 8192) throughput in TFLOP/s.
+
+    python benchmarks/moe_kernels.py [--out DIR] [--quick | --sweep-only]
+
+Prints a table and writes `moe_kernels_bench.md` + `.json` under --out (default $OUT, else ./).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_DIR = REPO / "hub_kernels" / "inkling2_moe"
+E, H, I, K = 384, 4608, 2304, 8
+ROTATIONS = 8
+
+
+def load_kernel():
+    try:
+        from kernels import get_local_kernel
+    except ImportError:
+        sys.path.insert(0, str(KERNEL_DIR / "build" / "torch-universal"))
+        import inkling2_moe
+
+        return inkling2_moe
+    return get_local_kernel(KERNEL_DIR)
+
+
+def make_weights(fmt, gen):
+    def bytes_(lo, hi, shape):
+        return torch.randint(lo, hi, shape, generator=gen, device="cuda", dtype=torch.uint8)
+
+    if fmt == "bf16":
+        kw = dict(generator=gen, device="cuda", dtype=torch.bfloat16)
+        return dict(w13=torch.randn(E, 2 * I, H, **kw).mul_(0.03), w2=torch.randn(E, H, I, **kw).mul_(0.03))
+    if fmt == "mxfp8":
+        def e4m3(shape):
+            b = bytes_(0, 256, shape)
+            return torch.where((b & 0x7F) == 0x7F, b ^ 0x01, b).view(torch.float8_e4m3fn)
+
+        return dict(w13=e4m3((E, 2 * I, H)), w13_scale=bytes_(112, 117, (E, 2 * I, H // 32)),
+                    w2=e4m3((E, H, I)), w2_scale=bytes_(112, 117, (E, H, I // 32)))
+    return dict(
+        w13=bytes_(0, 256, (E, 2 * I, H // 2)),
+        w13_scale=bytes_(0x28, 0x41, (E, 2 * I, H // 16)).view(torch.float8_e4m3fn),
+        w13_outer=torch.rand(E, 2, generator=gen, device="cuda") * 0.01 + 0.004,
+        w2=bytes_(0, 256, (E, H, I // 2)),
+        w2_scale=bytes_(0x28, 0x41, (E, H, I // 16)).view(torch.float8_e4m3fn),
+        w2_outer=torch.rand(E, generator=gen, device="cuda") * 0.01 + 0.004,
+    )
+
+
+def bytes_per_expert(fmt):
+    n = 3 * H * I
+    return {"bf16": 2 * n, "mxfp8": n + n // 32, "nvfp4": n // 2 + n // 16 + 12}[fmt]
+
+
+def routing(tokens, gen):
+    scores = torch.rand(tokens, E, generator=gen, device="cuda")
+    scores = scores + torch.rand(E, generator=gen, device="cuda") * 0.2
+    w, ids = torch.topk(scores, K, dim=-1)
+    return ids, (w / w.sum(-1, keepdim=True)).float()
+
+
+def inputs(tokens, gen, rotations):
+    sets = []
+    for _ in range(rotations):
+        ids, rw = routing(tokens, gen)
+        x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+        sets.append((x, ids, rw, torch.empty(tokens, H, dtype=torch.bfloat16, device="cuda")))
+    return sets
+
+
+def graph_time_ms(calls):
+    """Median time of one call: a CUDA graph of all `calls` (each a closure), replayed, / len(calls)."""
+    from triton.testing import do_bench
+
+    for c in calls:  # compile / warm outside the graph
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return do_bench(graph.replay, warmup=50, rep=300, return_mode="median") / len(calls)
+
+
+def copy_bandwidth():
+    from triton.testing import do_bench
+
+    n = 4 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+
+    return 2 * n / ms / 1e9  # TB/s... as GB/ms = TB/s
+
+
+def grouped_mm_moe(x, ids, rw, w13t, w2t, out):
+    """Baseline: sort, gather, torch._grouped_mm on BF16 weights, activation, grouped_mm, weighted sum."""
+    t = x.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = torch._grouped_mm(x[order // K], w13t, offs=offs)
+    g, u = h[:, :I].float(), h[:, I:].float()
+    act = (4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)).bfloat16()
+    y = torch._grouped_mm(act, w2t, offs=offs).float() * rw.reshape(-1)[order, None]
+    per_slot = torch.empty(t * K, H, dtype=torch.float32, device=x.device).index_copy_(0, order, y)
+    out.copy_(per_slot.view(t, K, H).sum(1))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--quick", action="store_true", help="skip the sweep and prefill")
+    parser.add_argument("--sweep-only", action="store_true", help="only the decode tile sweep (wider)")
+    args = parser.parse_args()
+    if args.sweep_only:
+        return wide_sweep(args)
+    km = load_kernel()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    rows, sweep, prefill = [], [], []
+    ceiling = copy_bandwidth()
+    print(f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {ceiling:.2f} TB/s", flush=True)
+
+    token_counts = (1, 8, 64, 256)
+    for fmt in ("nvfp4", "mxfp8", "bf16"):
+        w = make_weights(fmt, gen)
+        kw = {k: v for k, v in w.items() if k not in ("w13", "w2")}
+        for tokens in token_counts:
+            sets = inputs(tokens, gen, ROTATIONS)
+            active = sum(int(torch.unique(ids).numel()) for _, ids, _, _ in sets) / len(sets)
+            nbytes = active * bytes_per_expert(fmt)
+
+            def call(s, cfg=None):
+                x, ids, rw, out = s
+                return lambda: km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kw, out=out, config=cfg)
+
+            ms = graph_time_ms([call(s) for s in sets])
+            bw = nbytes / ms / 1e9
+            row = dict(fmt=fmt, tokens=tokens, active_experts=active, mbytes=nbytes / 1e6, us=ms * 1e3,
+                       tbps=bw, pct=100 * bw / ceiling)
+            if fmt == "bf16":
+                try:
+                    w13t, w2t = w["w13"].transpose(1, 2), w["w2"].transpose(1, 2)
+                    gms = graph_time_ms([(lambda s=s: grouped_mm_moe(s[0], s[1], s[2], w13t, w2t, s[3]))
+                                         for s in sets])
+                    row.update(grouped_mm_us=gms * 1e3, grouped_mm_tbps=nbytes / gms / 1e9)
+                except Exception as exc:  # report, don't hide
+                    row.update(grouped_mm_error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if not args.quick and fmt != "bf16":
+                for cfg in sweep_configs(km, fmt, tokens):
+                    try:
+                        ms_c = graph_time_ms([call(s, cfg) for s in sets])
+                        sweep.append(dict(fmt=fmt, tokens=tokens, config=str(cfg), us=ms_c * 1e3,
+                                          tbps=nbytes / ms_c / 1e9))
+                    except Exception as exc:
+                        sweep.append(dict(fmt=fmt, tokens=tokens, config=str(cfg), error=str(exc)[:200]))
+                    print(json.dumps(sweep[-1]), flush=True)
+        if not args.quick:
+            from triton.testing import do_bench
+
+            for tokens in (2048, 8192):
+                x, ids, rw, out = inputs(tokens, gen, 1)[0]
+                ms = do_bench(lambda: km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kw, out=out),
+                              warmup=20, rep=200, return_mode="median")
+                flops = 6 * tokens * K * H * I
+                entry = dict(fmt=fmt, tokens=tokens, ms=ms, tflops=flops / ms / 1e9)
+                if fmt == "bf16":
+                    try:
+                        w13t, w2t = w["w13"].transpose(1, 2), w["w2"].transpose(1, 2)
+                        gms = do_bench(lambda: grouped_mm_moe(x, ids, rw, w13t, w2t, out), warmup=20, rep=200,
+                                       return_mode="median")
+                        entry.update(grouped_mm_ms=gms, grouped_mm_tflops=flops / gms / 1e9)
+                    except Exception as exc:
+                        entry.update(grouped_mm_error=str(exc)[:200])
+                prefill.append(entry)
+                print(json.dumps(entry), flush=True)
+        w = kw = None  # free this format's weights before the next
+        torch.cuda.empty_cache()
+
+    lines = [
+        f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+        f"date {datetime.date.today().isoformat()}",
+        f"ceiling: device-to-device copy {ceiling:.2f} TB/s (bytes read + written, 4 GiB, median)",
+        "",
+        "| format | T | active experts | MB read | time (us) | TB/s | % of copy | grouped_mm bf16 (us, TB/s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gm = (f"{r['grouped_mm_us']:.1f}, {r['grouped_mm_tbps']:.2f}" if "grouped_mm_us" in r
+              else r.get("grouped_mm_error", ""))
+        lines.append(f"| {r['fmt']} | {r['tokens']} | {r['active_experts']:.1f} | {r['mbytes']:.0f} | "
+                     f"{r['us']:.1f} | {r['tbps']:.2f} | {r['pct']:.0f}% | {gm} |")
+    if sweep:
+        lines += ["", "decode tile sweep (default shown in the table above):", "",
+                  "| format | T | config | time (us) | TB/s |", "|---|---|---|---|---|"]
+        for s in sweep:
+            lines.append(f"| {s['fmt']} | {s['tokens']} | {s['config']} | {s.get('us', float('nan')):.1f} | "
+                         f"{s.get('tbps', float('nan')):.2f} |" if "us" in s else
+                         f"| {s['fmt']} | {s['tokens']} | {s['config']} | error: {s['error']} | |")
+    if prefill:
+        lines += ["", "prefill (eager, median):", "", "| format | T | ms | TFLOP/s | grouped_mm bf16 ms (TFLOP/s) |",
+                  "|---|---|---|---|---|"]
+        for p in prefill:
+            gm = (f"{p['grouped_mm_ms']:.2f} ({p['grouped_mm_tflops']:.0f})" if "grouped_mm_ms" in p
+                  else p.get("grouped_mm_error", ""))
+            lines.append(f"| {p['fmt']} | {p['tokens']} | {p['ms']:.2f} | {p['tflops']:.0f} | {gm} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe_kernels_bench.md").write_text(table + "\n")
+    (out_dir / "moe_kernels_bench.json").write_text(json.dumps(
+        dict(ceiling_tbps=ceiling, decode=rows, sweep=sweep, prefill=prefill), indent=1))
+
+
+def wide_sweep(args):
+    """Decode tile shapes x split-K for NVFP4 and MXFP8, plus the routing alone at T=1 (fixed cost)."""
+    km = load_kernel()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ceiling = copy_bandwidth()
+    lines = [f"copy {ceiling:.2f} TB/s", "| fmt | T | config | us | TB/s | % |", "|---|---|---|---|---|---|"]
+    sets1 = inputs(1, gen, ROTATIONS)
+    ms = graph_time_ms([(lambda s=s: km.route(s[1], E, 16)) for s in sets1])
+    lines.append(f"| - | 1 | route only | {ms * 1e3:.1f} | | |")
+    shapes = {"nvfp4": [(64, 64, 128, 4, 3), (64, 64, 128, 8, 3), (128, 128, 128, 8, 3), (32, 32, 128, 4, 4)],
+              "mxfp8": [(64, 64, 128, 4, 3), (64, 64, 128, 8, 3), (128, 128, 128, 8, 3), (64, 64, 256, 8, 3)]}
+    for fmt in ("nvfp4", "mxfp8"):
+        w = make_weights(fmt, gen)
+        kw = {k: v for k, v in w.items() if k not in ("w13", "w2")}
+        for tokens in (1, 8, 64):
+            sets = inputs(tokens, gen, ROTATIONS)
+            nbytes = sum(int(torch.unique(ids).numel()) for _, ids, _, _ in sets) / len(sets) * bytes_per_expert(fmt)
+            for i, (bn1, bn2, bk, nw, ns) in enumerate(shapes[fmt]):
+                for split in ((1, 2, 4) if tokens == 1 and i < 2 else (1,)):
+                    cfg = km.KernelConfig(16, bn1, bn2, bk, nw, ns, split)
+                    try:
+                        ms = graph_time_ms([(lambda s=s: km.moe_forward(s[0], s[1], s[2], w["w13"], w["w2"], fmt,
+                                                                        **kw, out=s[3], config=cfg)) for s in sets])
+                        bw = nbytes / ms / 1e9
+                        lines.append(f"| {fmt} | {tokens} | {bn1}/{bn2}/{bk}/w{nw}/s{ns}/k{split} | {ms * 1e3:.1f} | "
+                                     f"{bw:.2f} | {100 * bw / ceiling:.0f}% |")
+                    except Exception as exc:
+                        lines.append(f"| {fmt} | {tokens} | {cfg} | error {str(exc)[:120]} | | |")
+                    print(lines[-1], flush=True)
+        w = kw = None  # free this format's weights before the next
+        torch.cuda.empty_cache()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe_kernels_sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def sweep_configs(km, fmt, tokens):
+    """Alternatives to the default decode shape (`pick_config`), measured next to it."""
+    base = km.pick_config(tokens * K, E, fmt)
+    if tokens == 1:
+        return [km.KernelConfig(**{**base.__dict__, "split_k": s}) for s in (2, 4) if s != base.split_k]
+    if tokens in (8, 64):
+        alt = [km.KernelConfig(16, 32, 32, 128, 4, 4), km.KernelConfig(16, 64, 64, 128, 4, 4)]
+        return [c for c in alt if c != base]
+    return []
+
+
+if __name__ == "__main__":
+    main()

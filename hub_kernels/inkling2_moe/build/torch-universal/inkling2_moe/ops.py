@@ -1,0 +1,295 @@
+"""Public ops: CUDA tensors go to the Triton kernels, everything else to the PyTorch references."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .reference import (
+    FORMATS,
+    Routing,
+    max_tiles,
+    moe_forward_reference,
+    route_reference,
+)
+
+__all__ = ["KernelConfig", "moe_forward", "pick_config", "route"]
+
+_FMT_CODE = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
+_SMALL_ROUTE_SLOTS = 256  # up to this many slots one program routes everything (one launch)
+_ROUTE_CHUNK = 256
+_ROUTE_BLOCK = 64
+
+
+def _kernels():
+    from . import triton_kernels  # lazy: triton is imported only when a kernel runs
+
+    return triton_kernels
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape of the two expert GEMMs. ``block_m`` is also the tile height of the routing; ``split_k``
+    splits the reduction over that many programs (partial sums added in a fixed order afterwards)."""
+
+    block_m: int
+    gate_up_n: int
+    down_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+def pick_config(num_slots: int, num_experts: int, fmt: str) -> KernelConfig:
+    """Shape from sizes only (never from the data), so the choice is graph-safe.
+
+    Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 bytes per weight row per K
+    step; quantized formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and
+    fastest in the H200 sweep recorded in docs/benchmarks.md, where splitting K did not help at T=1).
+    Prefill: large M tiles so that each dequantized weight tile feeds many rows.
+    """
+    per_expert = num_slots / max(num_experts, 1)
+    if per_expert <= 8:
+        if fmt == "bf16":
+            return KernelConfig(16, 32, 32, 64, 4, 4)
+        return KernelConfig(16, 64, 64, 128, 4, 3)
+    k_prefill = {"bf16": 64, "mxfp8": 64, "nvfp4": 128}[fmt]
+    if per_expert <= 96:
+        return KernelConfig(64, 64, 128, k_prefill, 4, 3)
+    return KernelConfig(128, 64, 128, k_prefill, 8, 3)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    k = _kernels()
+    ids = expert_ids.contiguous()
+    top_k = ids.shape[1]
+    s = ids.numel()
+    dev = ids.device
+    nb = _next_pow2(num_experts + 1)
+    n_tiles = max_tiles(s, num_experts, block_m)
+    i32 = torch.int32
+    sorted_slots = torch.empty(s, dtype=i32, device=dev)
+    position = torch.empty(s, dtype=i32, device=dev)
+    offsets = torch.empty(num_experts + 1, dtype=i32, device=dev)
+    tile_expert = torch.empty(n_tiles, dtype=i32, device=dev)
+    tile_start = torch.empty(n_tiles, dtype=i32, device=dev)
+    tb = max(8, min(32, 16384 // nb))
+    if s <= _SMALL_ROUTE_SLOTS:
+        k._route_small_kernel[(1,)](
+            ids, sorted_slots, position, offsets, tile_expert, tile_start, s, num_experts, n_tiles,
+            BM=block_m, B=_ROUTE_BLOCK, NB=nb, TB=tb, num_warps=4,
+        )
+    else:
+        chunks = -(-s // _ROUTE_CHUNK)
+        hist = torch.empty(chunks, nb, dtype=i32, device=dev)
+        chunk_base = torch.empty(chunks, nb, dtype=i32, device=dev)
+        k._route_hist_kernel[(chunks,)](ids, hist, s, num_experts, CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK, NB=nb,
+                                        num_warps=4)
+        k._route_scan_kernel[(1,)](hist, chunk_base, offsets, tile_expert, tile_start, chunks, num_experts,
+                                   n_tiles, BM=block_m, NB=nb, TB=tb, num_warps=4)
+        k._route_scatter_kernel[(chunks,)](ids, chunk_base, offsets, sorted_slots, position, s, num_experts,
+                                           CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK, NB=nb, num_warps=4)
+    return Routing(sorted_slots, position, offsets, tile_expert, tile_start, num_experts, top_k, block_m)
+
+
+def route(expert_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
+    """Group the ``T * top_k`` slots of ``expert_ids [T, top_k]`` by expert (see :class:`Routing`).
+
+    On CUDA this is one launch (<= 256 slots) or three, with grids fixed by the slot count: no host
+    synchronization, CUDA-graph capturable. Elsewhere it is :func:`route_reference`.
+    """
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+    if expert_ids.is_cuda:
+        if expert_ids.dim() != 2:
+            raise ValueError(f"expert_ids must be [T, top_k], got shape {tuple(expert_ids.shape)}")
+        return _route_triton(expert_ids, num_experts, block_m)
+    return route_reference(expert_ids, num_experts, block_m)
+
+
+def _split_k(k_dim: int, wanted: int) -> int:
+    """Largest split <= wanted whose K slices are whole multiples of 32."""
+    split = wanted
+    while split > 1 and k_dim % (split * 32):
+        split //= 2
+    return split
+
+
+def _block_k(k_dim: int, wanted: int) -> int:
+    bk = wanted
+    while bk > 32 and k_dim % bk:
+        bk //= 2
+    if k_dim % bk:
+        raise ValueError(f"reduction size {k_dim} must be a multiple of 32 for the Triton path")
+    return bk
+
+
+def _expert_dims(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
+    e, two_i = w13.shape[0], w13.shape[1]
+    h = w13.shape[2] * (2 if fmt == "nvfp4" else 1)
+    i = w2.shape[2] * (2 if fmt == "nvfp4" else 1)
+    if two_i != 2 * i or w2.shape[0] != e or w2.shape[1] != h:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not describe [E, 2I, H] and "
+                         f"[E, H, I] in format {fmt}")
+    return e, h, i
+
+
+def _as_bytes(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    if t is None:
+        return fallback
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale, w2_scale, w13_outer,
+                        w2_outer, gate_cap, up_cap, routing=None, config: KernelConfig | None = None,
+                        out: torch.Tensor | None = None):
+    k = _kernels()
+    num_experts, h, inter = _expert_dims(fmt, w13, w2)
+    t, top_k = expert_ids.shape
+    if x.shape != (t, h):
+        raise ValueError(f"x must be [{t}, {h}], got {tuple(x.shape)}")
+    s = t * top_k
+    cfg = config or pick_config(s, num_experts, fmt)
+    if routing is None:
+        routing = _route_triton(expert_ids, num_experts, cfg.block_m)
+    elif routing.block_m != cfg.block_m:
+        raise ValueError(f"routing was built for block_m={routing.block_m}, the kernels use {cfg.block_m}")
+    dev = x.device
+    if out is None:
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    elif out.shape != (t, h) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"out must be a bf16 [{t}, {h}] tensor with unit column stride")
+    if t == 0:
+        return out
+    x = x.to(torch.bfloat16)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids = expert_ids.contiguous()
+    rw = routing_weights.reshape(-1).float().contiguous()
+    code = _FMT_CODE[fmt]
+
+    if fmt == "bf16":
+        w13q, w2q = w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous()
+    else:
+        w13q, w2q = _as_bytes(w13, w13).contiguous(), _as_bytes(w2, w2).contiguous()
+    s13 = _as_bytes(w13_scale, w13q).contiguous()
+    s2 = _as_bytes(w2_scale, w2q).contiguous()
+    if fmt == "nvfp4":
+        o13 = w13_outer.float().reshape(num_experts, -1).expand(num_experts, 2).contiguous()
+        o2 = w2_outer.float().reshape(num_experts).contiguous()
+    else:
+        o13 = o2 = rw  # unused
+
+    if fmt == "nvfp4":
+        # f16 MMAs: x scaled per token by a power of two into f16 range, de-interleaved (see kernels).
+        x_in = torch.empty(t, h, dtype=torch.float16, device=dev)
+        x_scale = torch.empty(t, dtype=torch.float32, device=dev)
+        k._x_to_f16_kernel[(t,)](x, x.stride(0), x_in, x_scale, h, BLOCK=1024, num_warps=4)
+        act = torch.empty(s, inter, dtype=torch.float16, device=dev)
+    else:
+        x_in, x_scale = x, rw  # x_scale unused
+        act = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
+    split_gu = _split_k(h, cfg.split_k)
+    split_dn = _split_k(inter, cfg.split_k)
+    bk1 = _block_k(h // split_gu, cfg.block_k)
+    bk2 = _block_k(inter // split_dn, cfg.block_k)
+    part = torch.empty(split_gu if split_gu > 1 else 0, s, 2 * inter, dtype=torch.float32, device=dev)
+    y = torch.empty(split_dn, s, h, dtype=torch.float32, device=dev)
+    n_tiles = routing.tile_expert.numel()
+    dot_fp32 = _interpreting()
+    k._gate_up_kernel[(n_tiles, _cdiv(inter, cfg.gate_up_n), split_gu)](
+        x_in, x_in.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_start,
+        routing.expert_offsets, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1), o13,
+        x_scale, act, act.stride(0), part if split_gu > 1 else y, s, h, inter, float(gate_cap), float(up_cap),
+        TOPK=top_k, FMT=code, BM=cfg.block_m, BN=cfg.gate_up_n, BK=bk1, SPLIT_K=split_gu, DOT_FP32=dot_fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split_gu > 1:
+        k._swiglu_kernel[(_cdiv(s, 16), _cdiv(inter, 128))](
+            part, routing.expert_offsets, act, act.stride(0), s, num_experts, inter, float(gate_cap),
+            float(up_cap), FMT=code, SPLIT_K=split_gu, BR=16, BC=128, num_warps=4,
+        )
+    k._down_kernel[(n_tiles, _cdiv(h, cfg.down_n), split_dn)](
+        act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_start,
+        routing.expert_offsets, rw,
+        w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2,
+        y, s, h, inter,
+        FMT=code, BM=cfg.block_m, BN=cfg.down_n, BK=bk2, SPLIT_K=split_dn, DOT_FP32=dot_fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block = min(1024, _next_pow2(h))
+    k._combine_kernel[(t, _cdiv(h, block))](y, ids, out, out.stride(0), s, h, num_experts, TOPK=top_k,
+                                                  SPLIT_K=split_dn, BLOCK=block, num_warps=4)
+    return out
+
+
+def moe_forward(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    fmt: str = "bf16",
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_outer: torch.Tensor | None = None,
+    w2_outer: torch.Tensor | None = None,
+    gate_cap: float = 4.0,
+    up_cap: float = 25.0,
+    routing: Routing | None = None,
+    config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed-expert block: ``out[t] = sum_j routing_weights[t, j] * down(act(gate_up(x[t])))`` in bf16.
+
+    Args:
+        x: ``[T, H]`` bf16 hidden states.
+        expert_ids: ``[T, top_k]`` integer expert per slot; ids outside ``[0, E)`` are dropped.
+        routing_weights: ``[T, top_k]`` fp32.
+        w13: gate rows then up rows, ``[E, 2I, H]`` bf16 / ``[E, 2I, H]`` float8_e4m3fn (mxfp8) /
+            ``[E, 2I, H/2]`` uint8 packed E2M1 (nvfp4).
+        w2: ``[E, H, I]`` in the same format (``[E, H, I/2]`` for nvfp4).
+        fmt: ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"``.
+        w13_scale, w2_scale: mxfp8 uint8 E8M0 ``[E, N, K/32]``; nvfp4 float8_e4m3fn ``[E, N, K/16]``.
+        w13_outer, w2_outer: nvfp4 fp32 outer multipliers, ``[E]``/``[E, 1]``/``[E, 2]`` (gate, up) and
+            ``[E]``/``[E, 1]``.
+        gate_cap, up_cap: softcaps of the SwiGLU.
+        routing: a :func:`route` result to reuse (its ``block_m`` must match the config).
+        config: override the tile shape (:func:`pick_config` otherwise).
+        out: optional bf16 ``[T, H]`` destination (a static buffer for CUDA graphs).
+
+    CUDA tensors run the Triton kernels (no host sync, deterministic, graph-capturable); other devices
+    run :func:`moe_forward_reference`.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    if fmt != "bf16" and (w13_scale is None or w2_scale is None):
+        raise ValueError(f"{fmt} needs w13_scale and w2_scale")
+    if fmt == "nvfp4" and (w13_outer is None or w2_outer is None):
+        raise ValueError("nvfp4 needs w13_outer and w2_outer (fp32 multipliers per expert)")
+    if x.is_cuda:
+        return _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale, w2_scale,
+                                   w13_outer, w2_outer, gate_cap, up_cap, routing, config, out)
+    result = moe_forward_reference(
+        x, expert_ids, routing_weights, w13, w2, fmt, w13_scale=w13_scale, w2_scale=w2_scale,
+        w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap, up_cap=up_cap,
+    )
+    if out is None:
+        return result
+    return out.copy_(result)

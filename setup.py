@@ -23,7 +23,9 @@ setup(
         "tml-renderers>=0.2.1",
     ],
     extras_require={
-        "test": ["pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1"],
+        # transformers' built-in `inkling2` is the tests' oracle: 5.23 is the version whose numerics and parameter
+        # names the tests compare against (5.24 renamed its attention parameters)
+        "test": ["transformers==5.23.0", "pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1"],
     },
     entry_points={"console_scripts": ["inkling2=transformers_inkling2.cli:main"]},
 )

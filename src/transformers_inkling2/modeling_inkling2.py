@@ -44,12 +44,6 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
         self.vision_tower = Inkling2VisionModel(config.vision_config)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.language_model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.language_model.embed_tokens = value
-
     def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor) -> torch.Tensor:
         """[image tokens, text hidden]: one feature per placeholder token, images in order."""
         return self.vision_tower(pixel_values=pixel_values, image_grid_thw=image_grid_thw, return_dict=True).pooler_output
@@ -123,18 +117,6 @@ class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inklin
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value):
-        self.model.set_input_embeddings(value)
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
-
     def get_image_features(self, pixel_values, image_grid_thw):
         return self.model.get_image_features(pixel_values, image_grid_thw)
 
@@ -162,10 +144,7 @@ class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inklin
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
         )
-        logits = self.compute_logits(outputs.last_hidden_state, logits_to_keep)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return Inkling2CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

@@ -469,12 +469,6 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -547,6 +541,13 @@ class Inkling2LanguageModelingMixin:
         logits = softcap(self.lm_head(hidden_states).float(), text_config.final_logit_softcapping)
         return logits[..., : text_config.unpadded_vocab_size]
 
+    def logits_and_loss(self, hidden_states, logits_to_keep=0, labels=None, **loss_kwargs):
+        logits = self.compute_logits(hidden_states, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **loss_kwargs)
+        return logits, loss
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache."""
         wants_own_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
@@ -573,18 +574,6 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -605,10 +594,7 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
         )
-        logits = self.compute_logits(outputs.last_hidden_state, logits_to_keep)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
 

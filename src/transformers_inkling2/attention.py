@@ -84,3 +84,31 @@ def get_attention_backend(name: str | None) -> AttentionBackend:
             f"Unknown Inkling2 attention implementation {name!r}; available: {sorted(ATTENTION_BACKENDS)}."
         )
     return ATTENTION_BACKENDS[name]
+
+
+# --- registration of the fast backends (attention_flex.py) -------------------------------------------------------
+
+
+def register_attention_backend(name: str, backend: AttentionBackend) -> None:
+    """Makes `attn_implementation=name` select `backend` in the Inkling2 text layers.
+
+    The name is also registered with transformers' `AttentionInterface`: `from_pretrained`, `from_config` and
+    `set_attn_implementation` only accept names registered there, and the name also reaches the vision tower of the
+    multimodal model, which calls its backend with transformers' signature. Such layers (no relative bias, no sink)
+    get transformers' SDPA under the same name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ATTENTION_BACKENDS[name] = backend
+    AttentionInterface.register(name, sdpa_attention_forward)
+
+
+def _register_fast_backends() -> None:
+    from .attention_flex import inkling2_decode_attention, inkling2_flex_attention, inkling2_flex_decode_attention
+
+    register_attention_backend("inkling2_flex", inkling2_flex_attention)
+    register_attention_backend("inkling2_decode", inkling2_decode_attention)
+    register_attention_backend("inkling2_flex_decode", inkling2_flex_decode_attention)
+
+
+_register_fast_backends()

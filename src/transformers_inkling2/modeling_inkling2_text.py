@@ -423,6 +423,11 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         return True
 
     @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """Our attention reads `config._attn_implementation` at every call (see `attention.ATTENTION_BACKENDS`)."""
+        return True
+
+    @classmethod
     def from_pretrained(cls, *args, allow_incomplete_checkpoint: bool = False, **kwargs):
         """Loads like any transformers model, but a checkpoint with missing or unexpected tensors is an error
         (naming them) instead of a warning that leaves part of the model random. Pass

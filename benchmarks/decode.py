@@ -1,0 +1,246 @@
+"""Decode speed of Inkling2 attention on one GPU: our decode path next to transformers' built-in `inkling2`.
+
+1. Attention only, one layer, one decode call (bf16, 48 q / 8 kv heads, head_dim 128, extent 1024): our
+   `inkling2_decode` (matmuls; what `inkling2_flex` runs for <= 8 queries) and `inkling2_flex_decode` (compiled
+   FlexAttention with folded heads, its split-KV kernel) for Q = 1 and 8 queries over K = 8k, 32k, 128k cached
+   keys (a full layer) and over the keys a sliding layer holds, at batch 1, 8, 64; launched op by op and replayed
+   as a CUDA graph (neither path synchronizes with the host); next to it our eager reference and SDPA without bias
+   or sink. GB/s = bytes of the keys and values read once / time.
+2. A 6-layer slice of the model (5 sliding + 1 full, hidden 4608, `--experts` BF16 experts, top-8): after a
+   prefill of `--context` tokens per row, one decode step of the decoder (no lm_head), in ms per layer, at batch
+   1, 8, 64: ours with `inkling2_flex`, `inkling2_flex_decode` and `eager`, and the built-in (eager), same
+   weights; peak memory.
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PWD/src:/tmp/site
+    python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096]
+
+Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import (
+    DEVICE,
+    EXTENT,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    WINDOW,
+    build_models,
+    cuda_ms,
+    environment,
+    fmt,
+    free_memory,
+    guarded,
+    markdown_table,
+    peak_gib,
+    write_report,
+)
+
+SLIDING_KEYS = WINDOW - 1 + 8  # what a sliding layer's cache holds (window - 1 + rollback margin) ...
+LAYERS = 6
+
+
+def graph_ms(fn, repeats: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph holding one call of fn."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, warmup=3, repeats=repeats)
+
+
+# --- part 1: attention only ----------------------------------------------------------------------------------------
+
+
+def decode_inputs(batch: int, queries: int, keys: int, generator) -> dict:
+    def randn(*shape, scale=1.0):
+        return torch.randn(shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * scale
+
+    return dict(
+        query=randn(batch, HEADS, queries, HEAD_DIM, scale=1.4),
+        key=randn(batch, KV_HEADS, keys, HEAD_DIM, scale=1.4),
+        value=randn(batch, KV_HEADS, keys, HEAD_DIM),
+        relative_logits=randn(batch, HEADS, queries, EXTENT),
+        sinks=randn(batch, HEADS, queries),
+        query_positions=torch.arange(keys - queries, keys, device=DEVICE),
+        key_positions=torch.arange(keys, device=DEVICE),
+        key_padding=None,
+    )
+
+
+def attention_decode_benchmark(key_counts, batches, repeats, with_flex_decode=True) -> list[dict]:
+    from transformers_inkling2.attention import eager_attention
+    from transformers_inkling2.attention_flex import inkling2_decode_attention, inkling2_flex_decode_attention
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    rows = []
+    layouts = [("sliding", SLIDING_KEYS, WINDOW)] + [("full", keys, None) for keys in key_counts]
+    for layer, keys, window in layouts:
+        for batch in batches:
+            for queries in (1, 8):
+                inputs = guarded(lambda: decode_inputs(batch, queries, keys + queries, generator))
+                if isinstance(inputs, str):
+                    rows.append(dict(layer=layer, keys=keys, batch=batch, queries=queries, method="inputs", ms=inputs))
+                    continue
+                kv_bytes = 2 * inputs["key"].numel() * inputs["key"].element_size()
+
+                def ours():
+                    return inkling2_decode_attention(**inputs, sliding_window=window, scaling=HEAD_DIM**-0.5)
+
+                def flex_split_kv():
+                    return inkling2_flex_decode_attention(**inputs, sliding_window=window, scaling=HEAD_DIM**-0.5)
+
+                def eager():
+                    return eager_attention(**inputs, sliding_window=window, scaling=HEAD_DIM**-0.5)
+
+                def sdpa():
+                    return F.scaled_dot_product_attention(
+                        inputs["query"], inputs["key"], inputs["value"], enable_gqa=True
+                    )
+
+                methods = [
+                    ("inkling2_decode", lambda: cuda_ms(ours, 2, repeats)),
+                    ("inkling2_decode, CUDA graph", lambda: graph_ms(ours, repeats)),
+                    *(
+                        [("inkling2_flex_decode", lambda: cuda_ms(flex_split_kv, 2, repeats)),
+                         ("inkling2_flex_decode, CUDA graph", lambda: graph_ms(flex_split_kv, repeats))]
+                        if with_flex_decode else []
+                    ),
+                    ("eager reference", lambda: cuda_ms(eager, 1, repeats)),
+                    ("SDPA, no bias / sink", lambda: cuda_ms(sdpa, 2, repeats)),
+                ]
+                for method, measure in methods:
+                    result = guarded(lambda: peak_gib(measure))
+                    ms, peak = (result, None) if isinstance(result, str) else result
+                    row = dict(layer=layer, keys=keys, batch=batch, queries=queries, method=method, ms=ms,
+                               peak_gib=peak, gb_per_s=None if isinstance(ms, str) else kv_bytes / ms / 1e6)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                inputs = None
+                free_memory()
+    return rows
+
+
+# --- part 2: model slice decode step -------------------------------------------------------------------------------
+
+
+def model_decode_benchmark(args) -> list[dict]:
+    from transformers_inkling2 import Inkling2Cache
+
+    ours, oracle = build_models(args.experts, with_oracle=not args.no_oracle)
+    generator = torch.Generator(device=DEVICE).manual_seed(2)
+    rows = []
+
+    def prefill(model, batch, make_cache):
+        """The context, fed in chunks small enough for the eager attention of the built-in."""
+        cache = make_cache()
+        chunk = max(128, min(2048, (8 << 30) // (batch * args.context * HEADS * 4)))
+        context = torch.randint(0, 8000, (batch, args.context), device=DEVICE, generator=generator)
+        with torch.no_grad():
+            for start in range(0, args.context, chunk):
+                output = model.model(context[:, start : start + chunk], past_key_values=cache, use_cache=True)
+                cache = output.past_key_values
+        return cache
+
+    def decode_steps(model, cache, batch):
+        tokens = torch.randint(0, 8000, (batch, 1), device=DEVICE, generator=generator)
+
+        def step():
+            with torch.no_grad():
+                model.model(tokens, past_key_values=cache, use_cache=True)
+
+        return cuda_ms(step, warmup=2, repeats=args.steps)
+
+    candidates = [
+        (f"ours ({backend})", ours, lambda: Inkling2Cache(ours.config), backend)
+        for backend in ("inkling2_flex", "inkling2_flex_decode", "eager")
+        if args.flex_decode or backend != "inkling2_flex_decode"
+    ]
+    if oracle is not None:
+        candidates.append(("built-in inkling2 (eager)", oracle, lambda: None, None))
+    for batch in args.batches:
+        for name, model, make_cache, backend in candidates:
+            if backend is not None:
+                model.config._attn_implementation = backend
+
+            def measure():
+                cache = prefill(model, batch, make_cache)
+                free_memory()
+                torch.cuda.reset_peak_memory_stats()
+                ms = decode_steps(model, cache, batch)
+                return ms, torch.cuda.max_memory_allocated() / 2**30
+
+            result = guarded(measure)
+            ms, peak = (result, None) if isinstance(result, str) else result
+            row = dict(model=name, batch=batch, context=args.context, step_ms=ms, peak_gib=peak,
+                       ms_per_layer=None if isinstance(ms, str) else ms / LAYERS)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            free_memory()
+    ours.config._attn_implementation = "inkling2_flex"
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--quick", action="store_true", help="keys 8k/32k, context 1024, fewer repeats")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--context", type=int, default=4096, help="tokens per row before the timed decode steps")
+    parser.add_argument("--no-oracle", action="store_true")
+    parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
+    parser.add_argument("--no-flex-decode", dest="flex_decode", action="store_false",
+                        help="leave out inkling2_flex_decode (not yet validated on a GPU)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/decode.py needs a CUDA GPU")
+    if args.quick:
+        args.context = min(args.context, 1024)
+    args.batches = [1, 8, 64]
+    args.steps = 3 if args.quick else 8
+    started = time.time()
+
+    key_counts = [8192, 32768] if args.quick else [8192, 32768, 131072]
+    attention_rows = attention_decode_benchmark(key_counts, args.batches, 5 if args.quick else 20, args.flex_decode)
+    report = [f"# Inkling2 decode benchmark\n\n{environment()}; command: `python3 benchmarks/decode.py"
+              f"{' --quick' if args.quick else ''}`\n",
+              "## One attention call (bf16, 48 q / 8 kv heads, head_dim 128, extent 1024)\n",
+              f"Sliding layers hold {SLIDING_KEYS} keys. GB/s = bytes of keys + values / time.\n",
+              markdown_table(["layer", "keys", "batch", "queries", "method", "ms", "GB/s", "peak GiB"],
+                             [[r["layer"], r["keys"], r["batch"], r["queries"], r["method"], fmt(r["ms"], ".3f"),
+                               fmt(r.get("gb_per_s"), ".0f"), fmt(r.get("peak_gib"), ".1f")]
+                              for r in attention_rows])]
+    model_rows = []
+    if not args.skip_model:
+        model_rows = model_decode_benchmark(args)
+        report += [f"\n## One decode step of a 6-layer slice (5 sliding + 1 full, hidden 4608, {args.experts} BF16 "
+                   f"experts, top-8), after {args.context} tokens per row\n",
+                   "Eager PyTorch launches (no CUDA graph, no torch.compile); ms per layer = step / 6.\n",
+                   markdown_table(["model", "batch", "step ms", "ms per layer", "peak GiB"],
+                                  [[r["model"], r["batch"], fmt(r["step_ms"], ".2f"), fmt(r.get("ms_per_layer"), ".3f"),
+                                    fmt(r.get("peak_gib"), ".1f")] for r in model_rows])]
+    report.append(f"\nTotal benchmark time {time.time() - started:.0f} s.")
+    write_report(args.out, "decode", "\n".join(report), dict(attention=attention_rows, model=model_rows,
+                                                             args=vars(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""The fast attention backends (`attention_flex.py`) against the eager reference, on fresh random inputs.
+
+Tolerances: fp32 on CPU, max abs difference <= 1e-4 (outputs are convex combinations of RMS-normalized values,
+so of order 1; the backends only reorder fp32 sums). bf16 on GPU (marked `gpu`): relative L2 error to an fp32
+eager reference <= 1e-2, and at most 1.5x the eager backend's own bf16 error plus 1e-3.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+from transformers_inkling2.attention import ATTENTION_BACKENDS, eager_attention
+from transformers_inkling2.attention_flex import (
+    BLOCK_SIZE,
+    distance_block_tables,
+    inkling2_decode_attention,
+    inkling2_flex_attention,
+    inkling2_flex_decode_attention,
+)
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+FP32_TOLERANCE = 1e-4
+BACKENDS = {
+    "inkling2_flex": inkling2_flex_attention,
+    "inkling2_decode": inkling2_decode_attention,
+    "inkling2_flex_decode": inkling2_flex_decode_attention,
+}
+
+
+def random_inputs(
+    seed: int,
+    *,
+    batch=2,
+    heads=12,
+    kv_heads=2,
+    queries=70,
+    keys=None,
+    head_dim=16,
+    extent=24,
+    first_query=0,
+    padding=(0, 0),
+    query_scale=1.0,
+    dtype=torch.float32,
+    device="cpu",
+):
+    """Inputs shaped like `Inkling2Attention` makes them: queries at positions first_query.., keys ending at the last
+    query; values RMS-normalized; row b of the batch left-padded by padding[b] keys (in stream order)."""
+    keys = queries if keys is None else keys
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+    value = randn(batch, kv_heads, keys, head_dim)
+    value = value * torch.rsqrt(value.float().square().mean(-1, keepdim=True)).to(dtype)
+    query_positions = torch.arange(first_query, first_query + queries, device=device)
+    key_positions = torch.arange(first_query + queries - keys, first_query + queries, device=device)
+    key_padding = None
+    if any(padding):
+        key_padding = torch.ones(batch, keys, dtype=torch.bool, device=device)
+        for row, count in enumerate(padding):
+            key_padding[row, :count] = False
+    return dict(
+        query=randn(batch, heads, queries, head_dim, scale=query_scale),
+        key=randn(batch, kv_heads, keys, head_dim),
+        value=value,
+        relative_logits=randn(batch, heads, queries, extent),
+        sinks=randn(batch, heads, queries),
+        query_positions=query_positions,
+        key_positions=key_positions,
+        key_padding=key_padding,
+    )
+
+
+def max_difference(backend, inputs, sliding_window, scaling):
+    expected = eager_attention(**inputs, sliding_window=sliding_window, scaling=scaling)
+    actual = backend(**inputs, sliding_window=sliding_window, scaling=scaling)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert expected.abs().max() > 0.1  # a live case, not an all-sink one
+    return (actual - expected).abs().max().item()
+
+
+# --- prefill: FlexAttention ----------------------------------------------------------------------------------------
+
+PREFILL_CASES = {
+    # window 16 / extent 24 over 70 tokens: crosses both; full layers split into band + far parts
+    "crosses window and extent": dict(queries=70),
+    "left padding, rows that see no key": dict(queries=70, padding=(0, 30)),
+    "cache offset": dict(queries=40, keys=90, first_query=50),
+    "cache offset and padding": dict(queries=40, keys=90, first_query=50, padding=(7, 60)),
+    # several 128-blocks: partial, full and skipped blocks, a ragged last block
+    "many blocks": dict(batch=2, heads=4, kv_heads=2, queries=300, extent=150, padding=(0, 140)),
+    "many blocks, cache offset": dict(batch=1, heads=6, kv_heads=1, queries=200, keys=330, first_query=400),
+    "log-scaled queries": dict(queries=70, query_scale=4.0),
+    "head_dim 32, GQA 4": dict(heads=8, kv_heads=2, head_dim=32, queries=50),
+}
+
+
+@pytest.mark.parametrize("sliding_window", [16, None], ids=["sliding", "full"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=list(PREFILL_CASES))
+def test_flex_prefill_equals_eager(case, sliding_window):
+    options = PREFILL_CASES[case]
+    inputs = random_inputs(seed=list(PREFILL_CASES).index(case), **options)
+    if sliding_window is not None and options.get("extent", 24) != 24:
+        sliding_window = options["extent"]  # sliding layers: extent == window
+    scaling = inputs["query"].shape[-1] ** -0.5
+    assert max_difference(inkling2_flex_attention, inputs, sliding_window, scaling) <= FP32_TOLERANCE
+
+
+def test_rows_without_visible_keys_put_everything_on_the_sink():
+    inputs = random_inputs(seed=3, queries=40, padding=(0, 25))
+    for backend in BACKENDS.values():
+        for window in (16, None):
+            output = backend(**inputs, sliding_window=window, scaling=0.25)
+            assert output[1, :25].abs().max() == 0  # padded rows see only padding
+            assert output[1, 25:].abs().min(dim=-1).values.max() > 0
+
+
+def test_large_logits_do_not_overflow():
+    """Queries at 20x: scores in the hundreds, sinks far below; LSE arithmetic must stay finite."""
+    inputs = random_inputs(seed=4, queries=64, query_scale=20.0)
+    inputs["sinks"] = inputs["sinks"] * 50
+    for backend in BACKENDS.values():
+        for window in (16, None):
+            expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
+            actual = backend(**inputs, sliding_window=window, scaling=0.25)
+            assert torch.isfinite(actual).all()
+            assert (actual - expected).abs().max() <= FP32_TOLERANCE
+
+
+# --- decode / verification -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("queries", range(1, 9))
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_decode_equals_eager_against_long_keys(backend_name, queries):
+    inputs = random_inputs(
+        seed=10 + queries, queries=queries, keys=400, first_query=500, extent=24, padding=(0, 390), query_scale=2.0
+    )
+    for window in (16, None):
+        assert max_difference(BACKENDS[backend_name], inputs, window, 0.25) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("backend_name", ["inkling2_decode", "inkling2_flex_decode"])
+def test_decode_with_fewer_keys_than_the_extent(backend_name):
+    inputs = random_inputs(seed=21, queries=3, keys=10, extent=24)
+    for window in (16, None):
+        assert max_difference(BACKENDS[backend_name], inputs, window, 0.25) <= FP32_TOLERANCE
+
+
+def test_flex_decode_with_more_folded_rows_than_a_block():
+    """24 query heads per kv head x 8 queries = 192 folded rows: two query blocks."""
+    inputs = random_inputs(seed=23, queries=8, keys=300, heads=48, kv_heads=2, padding=(0, 5))
+    for window in (16, None):
+        assert max_difference(inkling2_flex_decode_attention, inputs, window, 0.25) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_non_contiguous_positions_are_refused(backend_name):
+    inputs = random_inputs(seed=22, queries=4, keys=30)
+    inputs["key_positions"] = inputs["key_positions"] * 2
+    with pytest.raises(RuntimeError):
+        BACKENDS[backend_name](**inputs, sliding_window=None, scaling=0.25)
+
+
+# --- block masks ---------------------------------------------------------------------------------------------------
+
+
+def check_block_tables(queries, keys, offset, low, high, padding):
+    key_padding = None
+    if padding is not None:
+        key_padding = torch.ones(len(padding), keys, dtype=torch.bool)
+        for row, count in enumerate(padding):
+            key_padding[row, :count] = False
+    partial, full = distance_block_tables(torch.tensor(offset), queries, keys, low, high, key_padding)
+    distance = offset + torch.arange(queries)[:, None] - torch.arange(keys)[None, :]
+    visible = (distance >= low) & (distance < (high if high is not None else keys + offset + 1))
+    visible = visible[None] if key_padding is None else visible[None] & key_padding[:, None, :]
+
+    def per_entry(table):  # [B, 1, qb, kb] -> [B, queries, keys]
+        expanded = table[:, 0].repeat_interleave(BLOCK_SIZE, 1).repeat_interleave(BLOCK_SIZE, 2)
+        return expanded[:, :queries, :keys]
+
+    assert not (partial & full).any()
+    assert not (visible & ~per_entry(partial | full)).any()
+    assert not (per_entry(full) & ~visible).any()
+    # partial blocks hold at least one visible entry
+    q_blocks, kv_blocks = partial.shape[-2:]
+    tiles = torch.nn.functional.pad(visible, (0, kv_blocks * BLOCK_SIZE - keys, 0, q_blocks * BLOCK_SIZE - queries))
+    tiles = tiles.view(visible.shape[0], q_blocks, BLOCK_SIZE, kv_blocks, BLOCK_SIZE).any(4).any(2)
+    assert not (partial[:, 0] & ~tiles).any()
+
+
+@pytest.mark.parametrize(
+    "queries, keys, offset, low, high, padding",
+    [
+        (300, 300, 0, 0, 150, None),
+        (300, 300, 0, 150, None, None),
+        (200, 457, 257, 0, 1024, (0, 200)),
+        (129, 700, 571, 130, None, (5, 650)),
+        (1, 300, 299, 0, 24, None),
+    ],
+)
+def test_block_tables_cover_exactly_what_is_visible(queries, keys, offset, low, high, padding):
+    """Every visible entry lies in a partial or full block; full blocks hold only visible entries; partial blocks
+    hold at least one (no wasted tiles)."""
+    check_block_tables(queries, keys, offset, low, high, padding)
+
+
+def test_block_tables_at_block_boundaries():
+    """Distances and offsets on and next to multiples of the block size, where an off-by-one would show."""
+    for queries, keys in [(300, 300), (130, 385)]:
+        for offset in (0, 1, 128 + keys - queries):
+            for low in (0, 1, 128):
+                for high in (1, 2, 127, 128, 129, 256, None):
+                    if high is None or high > low:
+                        check_block_tables(queries, keys, offset, low, high, None)
+
+
+# --- in the model --------------------------------------------------------------------------------------------------
+
+
+def tiny_pair(attn_implementation: str, seed: int = 0):
+    """(eager, fast) tiny Inkling2ForCausalLM with equal random weights; full layers have extent 24, sliding
+    layers window 16, so a 40-token prompt crosses both; log scaling starts inside the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from transformers_inkling2.tiny import randomize_, tiny_text_config
+
+    config = dict(rel_extent=24, log_scaling_n_floor=20)
+    eager = randomize_(AutoModelForCausalLM.from_config(tiny_text_config(**config)), seed).eval()
+    fast = AutoModelForCausalLM.from_config(tiny_text_config(**config), attn_implementation=attn_implementation)
+    fast.load_state_dict(eager.state_dict())
+    assert fast.config._attn_implementation == attn_implementation
+    return eager, fast.eval()
+
+
+def left_padded_prompts(seed: int = 0, length: int = 40, pad: int = 13):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 200000, (2, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :pad] = 0
+    return input_ids, attention_mask
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_pair("inkling2_flex")
+
+
+def test_model_logits_equal_eager_with_left_padding_beyond_the_window(models):
+    eager, fast = models
+    input_ids, attention_mask = left_padded_prompts()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = eager(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
+        actual = fast(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
+    real = attention_mask.bool()
+    assert expected[real].abs().max() > 1.0
+    assert (actual - expected)[real].abs().max() <= FP32_TOLERANCE
+
+
+def test_model_chunked_prefill_through_the_cache_equals_eager(models):
+    """Two prefill chunks (25 + 15 tokens, both on the flex path): the second attends to cached keys."""
+    from transformers_inkling2 import Inkling2Cache
+
+    input_ids, attention_mask = left_padded_prompts(seed=1)
+    logits = []
+    for model in models:
+        cache = Inkling2Cache(model.config)
+        with torch.no_grad():
+            first = model(input_ids[:, :25], attention_mask=attention_mask[:, :25], past_key_values=cache).logits
+            second = model(input_ids[:, 25:], attention_mask=attention_mask, past_key_values=cache).logits
+        logits.append(torch.cat([first, second], dim=1))
+    real = attention_mask.bool()
+    assert (logits[1] - logits[0])[real].abs().max() <= FP32_TOLERANCE
+
+
+def test_model_cached_greedy_generation_equals_eager(models):
+    """Prefill on the flex path, then one-token steps on the decode path; also with `inkling2_flex_decode`."""
+    eager, fast = models
+    input_ids, attention_mask = left_padded_prompts(seed=2)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        expected = eager.generate(input_ids, **kwargs)
+        assert torch.equal(fast.generate(input_ids, **kwargs), expected)
+        fast.config._attn_implementation = "inkling2_flex_decode"
+        try:
+            assert torch.equal(fast.generate(input_ids, **kwargs), expected)
+        finally:
+            fast.config._attn_implementation = "inkling2_flex"
+
+
+def test_from_pretrained_accepts_the_backend_names():
+    from transformers import AutoModelForCausalLM
+
+    from transformers_inkling2.tiny import build_tiny_causal_lm
+
+    with tempfile.TemporaryDirectory() as directory:
+        build_tiny_causal_lm(seed=3).save_pretrained(directory)
+        for name in ("inkling2_flex", "inkling2_decode", "inkling2_flex_decode", "eager"):
+            model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=name)
+            assert model.config._attn_implementation == name
+    assert {"eager", *BACKENDS} <= set(ATTENTION_BACKENDS)
+
+
+# --- GPU: compiled flex, bf16, full-size heads ---------------------------------------------------------------------
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window", [1024, None], ids=["sliding", "full"])
+@pytest.mark.parametrize("tokens, padding", [(4096, (0, 0)), (1000, (0, 300))], ids=["4k", "1000-padded"])
+def test_gpu_compiled_flex_bf16_full_size(sliding_window, tokens, padding):
+    """48 q / 8 kv heads, head_dim 128, extent = window = 1024; bf16 flex vs eager fp32."""
+    options = dict(batch=len(padding), heads=48, kv_heads=8, queries=tokens, head_dim=128, extent=1024)
+    options.update(padding=padding, query_scale=1.5, device="cuda")
+    reference = random_inputs(seed=5, **options)
+    reference["relative_logits"] = reference["relative_logits"] * 0.5
+    low = {name: tensor.bfloat16() if tensor.is_floating_point() else tensor for name, tensor in reference.items()
+           if tensor is not None}
+    low["key_padding"] = reference["key_padding"]
+    scaling = 128**-0.5
+    with torch.no_grad():
+        expected = eager_attention(**reference, sliding_window=sliding_window, scaling=scaling)
+        eager16 = eager_attention(**low, sliding_window=sliding_window, scaling=scaling)
+        fast16 = inkling2_flex_attention(**low, sliding_window=sliding_window, scaling=scaling)
+    assert fast16.dtype == torch.bfloat16 and torch.isfinite(fast16).all()
+    assert relative_error(fast16, expected) <= 1e-2
+    assert relative_error(fast16, expected) <= 1.5 * relative_error(eager16, expected) + 1e-3
+    if any(padding):
+        assert fast16[1, : padding[1]].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["inkling2_flex", "inkling2_flex_decode"])
+@pytest.mark.parametrize("queries", [1, 3, 8])
+def test_gpu_decode_bf16_full_size(queries, backend_name):
+    options = dict(batch=2, heads=48, kv_heads=8, queries=queries, keys=6000, head_dim=128, extent=1024)
+    reference = random_inputs(seed=6, padding=(0, 100), device="cuda", first_query=7000, **options)
+    low = {name: tensor.bfloat16() if tensor is not None and tensor.is_floating_point() else tensor
+           for name, tensor in reference.items()}
+    for window in (1024, None):
+        with torch.no_grad():
+            expected = eager_attention(**reference, sliding_window=window, scaling=128**-0.5)
+            fast16 = BACKENDS[backend_name](**low, sliding_window=window, scaling=128**-0.5)
+        assert torch.isfinite(fast16).all() and relative_error(fast16, expected) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_model_fp32_logits_equal_eager():
+    eager, fast = tiny_pair("inkling2_flex", seed=7)
+    eager, fast = eager.cuda(), fast.cuda()
+    input_ids, attention_mask = (t.cuda() for t in left_padded_prompts(seed=7, length=300, pad=150))
+    with torch.no_grad():
+        expected = eager(input_ids, attention_mask=attention_mask, use_cache=False).logits
+        actual = fast(input_ids, attention_mask=attention_mask, use_cache=False).logits
+    real = attention_mask.bool()
+    assert (actual - expected)[real].abs().max() <= 1e-3

@@ -212,6 +212,18 @@ def test_grouped_bf16_experts_equal_the_reference_loop():
     assert ((grouped - loop).norm() / loop.norm()).item() <= 1e-2
 
 
+def test_grouped_experts_split_long_inputs_into_chunks_with_the_same_result(monkeypatch):
+    from transformers_inkling2 import experts as experts_module
+
+    experts = randomize_(Inkling2Experts(Inkling2TextConfig(**CONFIG)), seed=4)
+    generator = torch.Generator().manual_seed(4)
+    x, expert_ids = torch.randn(50, 64, generator=generator), torch.randint(0, 8, (50, 2), generator=generator)
+    weights = torch.rand(50, 2, generator=generator)
+    whole = experts.grouped(x, expert_ids, weights)
+    monkeypatch.setattr(experts_module, "MAX_GROUPED_ELEMENTS", 2 * 2 * 64 * 7)  # chunks of 7 tokens
+    assert torch.allclose(experts.grouped(x, expert_ids, weights), whole, atol=1e-6, rtol=1e-5)
+
+
 def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
     quantized = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed")
     experts = quantized.model.layers[0].mlp.experts
@@ -224,14 +236,20 @@ def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
 
 
 @pytest.mark.gpu
-def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp_path):
-    """On CUDA the packed experts go through the inkling2_moe kernel; the reference dequantizes them on the CPU."""
+@pytest.mark.parametrize("layer", [0, 5], ids=["nvfp4", "mxfp8"])
+def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp_path, layer):
+    """On CUDA the packed experts of a loaded model go through the inkling2_moe kernel; the reference dequantizes
+    each expert (fp32). Compared on one MoE layer with the same routing, fresh random bf16 activations."""
     config = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "num_experts_per_tok": 4}
     model = randomize_(Inkling2ForCausalLM(Inkling2TextConfig(**config)), seed=6).eval()
     model.save_pretrained(tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "mixed", mxfp8_from=4)
-    reference = logits(Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.float32))
-    on_gpu = Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.bfloat16, device_map="cuda")
-    with torch.no_grad():
-        kernel_logits = on_gpu(INPUT_IDS.cuda(), use_cache=False).logits.float().cpu()
-    assert ((kernel_logits - reference).norm() / reference.norm()).item() <= 2e-2
+    quantized = Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.bfloat16)
+    experts = quantized.model.layers[layer].mlp.experts
+    generator = torch.Generator().manual_seed(layer)
+    x = torch.randn(37, 256, generator=generator).to(torch.bfloat16)
+    expert_ids = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(37)])
+    weights = torch.rand(37, 4, generator=generator) * 2
+    reference = experts.loop_over_experts(x.float(), expert_ids, weights)
+    kernel = experts.to("cuda")(x.cuda(), expert_ids.cuda(), weights.cuda()).float().cpu()
+    assert ((kernel - reference).norm() / reference.norm()).item() <= 1e-2

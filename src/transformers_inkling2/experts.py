@@ -18,7 +18,8 @@ from torch import nn
 from . import quantized_formats as qf
 from .configuration_inkling2 import Inkling2TextConfig
 
-EXPERT_IMPLEMENTATIONS = ("eager", "grouped_mm")
+EXPERT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+MAX_GROUPED_ELEMENTS = 2**31  # torch._grouped_mm indexes its operands with 32-bit integers
 # NVFP4 outer-scale tensors a checkpoint may carry (suffix after `w13_weight_` / `w2_weight_`) and the argument of
 # `quantized_formats.nvfp4_outer_multiplier` each one is: ModelOpt's multiplier, compressed-tensors' divisor, or
 # amax (with an optional denominator, 448 * 6 by default).
@@ -42,12 +43,14 @@ def softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_
 
 
 def experts_implementation(config: Inkling2TextConfig) -> str:
+    """"eager" (the reference loop) or "grouped_mm". generate() switches "grouped_mm" to "batched_mm" for decoding
+    on GPUs; our grouped path serves both (it never copies expert weights per token)."""
     name = getattr(config, "_experts_implementation", None) or "grouped_mm"
     if name not in EXPERT_IMPLEMENTATIONS:
         raise ValueError(
             f"Inkling2 experts run with `experts_implementation` in {EXPERT_IMPLEMENTATIONS}, got {name!r}."
         )
-    return name
+    return "eager" if name == "eager" else "grouped_mm"
 
 
 class Inkling2ExpertsBase(nn.Module):
@@ -92,8 +95,13 @@ class Inkling2Experts(Inkling2ExpertsBase):
         return self.grouped(x, expert_ids, weights)
 
     def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sorts the (token, slot) pairs by expert and runs each projection as one grouped GEMM; no host sync."""
+        """Sorts the (token, slot) pairs by expert and runs each projection as one grouped GEMM; no host sync.
+        Long prefills go in chunks of tokens whose sorted activations stay under 2^31 elements."""
         tokens, top_k = expert_ids.shape
+        chunk = max(1, MAX_GROUPED_ELEMENTS // (top_k * 2 * max(self.hidden_size, self.intermediate_size)))
+        if tokens > chunk:
+            parts = [self.grouped(*(t[start : start + chunk] for t in (x, expert_ids, weights))) for start in range(0, tokens, chunk)]
+            return torch.cat(parts)
         order = expert_ids.reshape(-1).argsort(stable=True)
         ends = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).cumsum(0).to(torch.int32)
         sorted_x = x[order // top_k]

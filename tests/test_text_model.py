@@ -82,3 +82,10 @@ def test_bad_text_config_is_a_clear_error(fields, message):
 def test_mismatched_vision_and_text_width_is_a_clear_error():
     with pytest.raises(StrictDataclassClassValidationError, match="text_hidden_size"):
         Inkling2Config(text_config=dict(hidden_size=64), vision_config=dict(text_hidden_size=32))
+
+
+def test_a_prompt_too_long_for_one_forward_points_to_chunked_prefill():
+    from transformers_inkling2.modeling_inkling2_text import Inkling2RelativeLogits
+
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        Inkling2RelativeLogits(16, 1024)(torch.empty(1, 50_000, 48, 16, device="meta"))

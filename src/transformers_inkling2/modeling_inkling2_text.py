@@ -80,6 +80,14 @@ class Inkling2RelativeLogits(nn.Module):
 
     def forward(self, relative_states: torch.Tensor) -> torch.Tensor:
         """[batch, queries, heads, d_rel] -> [batch, heads, queries, extent] bias per backward distance."""
+        batch, queries, heads, _ = relative_states.shape
+        if batch * queries * heads * self.proj.shape[1] >= 2**31:
+            raise ValueError(
+                f"{queries} tokens in one forward need relative logits of {batch * queries * heads * self.proj.shape[1]:,} "
+                "elements, beyond what attention kernels index (2^31). Feed long prompts in chunks through the cache: "
+                "`generate(..., prefill_chunk_size=16384)`, or call the model on consecutive slices with one "
+                "`Inkling2Cache`."
+            )
         return (relative_states @ self.proj.to(relative_states.dtype)).transpose(1, 2)
 
 

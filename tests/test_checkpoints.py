@@ -11,8 +11,8 @@ import torch
 from conftest import ORACLE_TEXT_CONFIG, build_pair
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
 from transformers import AutoModelForCausalLM
+
 from transformers_inkling2 import Inkling2ForCausalLM
 
 # Our names -> the original layout, written from the layout's description (SPEC §3), independently of the

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from conftest import build_pair, greedy_by_recomputation, greedy_generate, left_padded_batch
-
 from transformers import DynamicCache
+
 from transformers_inkling2 import Inkling2Cache
 
 

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 from conftest import ORACLE_TEXT_CONFIG, greedy_by_recomputation, greedy_generate, positions_from_mask
-
 from transformers import AutoModelForImageTextToText
+
 from transformers_inkling2 import Inkling2Config, Inkling2ForConditionalGeneration
 from transformers_inkling2.tiny import randomize_
 

@@ -8,9 +8,8 @@ import threading
 import numpy as np
 import PIL.Image
 import pytest
-import torch
-
 from transformers import pipeline
+
 from transformers_inkling2 import Inkling2ForConditionalGeneration, Inkling2MultimodalProcessor
 from transformers_inkling2.tiny import build_tiny_model, build_tiny_processor
 

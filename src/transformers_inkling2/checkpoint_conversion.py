@@ -9,8 +9,6 @@ conversion-mapping machinery, which applies them when loading and reverses them 
 
 from __future__ import annotations
 
-import re
-
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Interleave, WeightConverter, WeightRenaming
 

@@ -9,6 +9,7 @@ convolutions, routing, attention-residual mixing and logits). Faster attention a
 
 import copy
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -165,7 +165,7 @@ def rel_err(a, b):
 
 
 def test_kernel_loads_through_kernels_package():
-    pytest.importorskip("kernels")
+    kernels = pytest.importorskip("kernels")
     from kernels._rust import Build, Metadata
 
     module = kernels.get_local_kernel(KERNEL_DIR)
@@ -193,7 +193,7 @@ def test_layer_is_a_valid_kernels_layer(km):
 
 def test_kernelize_swaps_in_the_layer():
     """The documented route into a model: `use_kernel_forward_from_hub` + a local layer repository."""
-    pytest.importorskip("kernels")
+    kernels = pytest.importorskip("kernels")
     from torch import nn
 
     @kernels.use_kernel_forward_from_hub("Inkling2MoE")

@@ -16,15 +16,12 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import logging
 
 from .attention import get_attention_backend
 from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
 from .experts import Inkling2Experts, Inkling2QuantizedExperts, softcap
 from .quantized_checkpoints import attach_expert_quantization, validate_quantized_experts
-
-logger = logging.get_logger(__name__)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

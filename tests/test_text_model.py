@@ -89,3 +89,14 @@ def test_a_prompt_too_long_for_one_forward_points_to_chunked_prefill():
 
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         Inkling2RelativeLogits(16, 1024)(torch.empty(1, 50_000, 48, 16, device="meta"))
+
+
+def test_hidden_states_equal_builtin():
+    """The embeddings, then every layer's output: the stream speculative drafters tap."""
+    ours, oracle = build_pair(seed=2)
+    input_ids, _ = left_padded_batch(seed=2)
+    with torch.no_grad():
+        ours_states = ours(input_ids, output_hidden_states=True, use_cache=False).hidden_states
+        oracle_states = oracle.model(input_ids, output_hidden_states=True, use_cache=False).hidden_states
+    assert len(ours_states) == len(oracle_states) == ORACLE_TEXT_CONFIG["num_hidden_layers"] + 1
+    assert max((a - b).abs().max() for a, b in zip(ours_states, oracle_states)) <= 1e-4

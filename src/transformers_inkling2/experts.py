@@ -9,7 +9,10 @@ output is the routing-weighted sum of its experts' outputs, accumulated in fp32.
 - `Inkling2QuantizedExperts`: NVFP4 or MXFP8 weights that stay packed in memory (see `quantized_formats`). On CUDA
   they run through the `inkling2_moe` hub kernel (fused dequantization); elsewhere, and with
   `experts_implementation="eager"`, each active expert is dequantized on the fly and computed like the BF16 reference.
+- `refuse_lora_on_quantized_experts`: the clear error for a PEFT `target_parameters` that names packed weights.
 """
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -190,3 +193,30 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
 
     def extra_repr(self) -> str:
         return f"format={self.format}, experts={self.num_experts}, outer_scales={self.outer_scale_names}"
+
+
+def refuse_lora_on_quantized_experts(model: nn.Module, target_parameters: Iterable[str] | None) -> None:
+    """Raises when PEFT `target_parameters` (matched as PEFT does: a full name, or a suffix after a dot) name tensors of
+    `Inkling2QuantizedExperts`. Those are frozen buffers, not parameters: PEFT skips them without an error that says so
+    (beside attention targets the adapter simply leaves those experts untouched), and a LoRA delta on packed NVFP4 /
+    MXFP8 codes would mean nothing without their block scales."""
+    targets = list(target_parameters or ())
+    hits, formats = [], set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, Inkling2QuantizedExperts):
+            continue
+        for buffer_name, _ in module.named_buffers(recurse=False):
+            name = f"{module_name}.{buffer_name}"
+            if any(name == target or name.endswith(f".{target}") for target in targets):
+                hits.append(name)
+                formats.add(module.format.upper())
+    if hits:
+        more = f" and {len(hits) - 1} more" if len(hits) > 1 else ""
+        raise ValueError(
+            f"LoRA on the routed experts needs BF16 experts, but target_parameters={targets} name packed "
+            f"{'/'.join(sorted(formats))} expert weights ({hits[0]}{more}). Quantized experts are frozen buffers: PEFT "
+            "cannot adapt them, and a delta on packed codes without their block scales would be wrong. Either load a "
+            "checkpoint with BF16 experts and keep target_parameters=['mlp.experts.gate_up_proj', "
+            "'mlp.experts.down_proj'], or train an attention-only adapter: drop target_parameters and target the "
+            "attention projections with target_modules (see docs/finetuning.md)."
+        )

@@ -99,10 +99,12 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=kwargs.get("output_hidden_states"),
         )
         return Inkling2ModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,
             past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
             image_hidden_states=image_features,
         )
 
@@ -143,12 +145,14 @@ class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inklin
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=kwargs.pop("output_hidden_states", None),
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return Inkling2CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
             image_hidden_states=outputs.image_hidden_states,
         )
 

@@ -491,7 +491,10 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
-        `position_ids` only drive the full layers' log scaling (physical positions drive everything else)."""
+        `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
+        `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
+        block, the stream that speculative drafters tap), the last one after the final readout and norm, as
+        transformers models do."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if inputs_embeds is None:
@@ -513,6 +516,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
 
         partial, blocks = inputs_embeds, []
+        layer_outputs = [inputs_embeds]
         for layer in self.layers:
             partial, blocks = layer(
                 partial,
@@ -522,8 +526,14 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 attention_mask=attention_mask,
                 cache=past_key_values,
             )
+            layer_outputs.append(partial)
         hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=(*layer_outputs[:-1], hidden_states) if output_hidden_states else None,
+        )
 
     @staticmethod
     def _padding_mask(attention_mask, batch: int, total_length: int) -> torch.Tensor | None:
@@ -595,6 +605,7 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -604,9 +615,12 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
 
 
 __all__ = ["Inkling2PreTrainedModel", "Inkling2TextModel", "Inkling2ForCausalLM", "Inkling2LanguageModelingMixin"]

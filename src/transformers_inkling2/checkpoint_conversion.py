@@ -62,7 +62,8 @@ def text_model_renamings() -> list[WeightRenaming]:
         (r"mlp_sconv\.", "post_mlp_convolution."),
         (r"(convolution|sconv)\.weight", r"\1.conv1d.weight"),
         (r"sconv\.static_w", "sconv.static_weight"),
-        (r"sconv\.weight_proj", "sconv.weight_proj.weight"),
+        # not `...weight_proj.lora_A...` of an adapter (PEFT's loading applies these renamings to adapter keys too)
+        (r"sconv\.weight_proj(?!\.)", "sconv.weight_proj.weight"),
         (r"mlp_norm", "post_attention_layernorm"),
         (r"attn_norm", "input_layernorm"),
         (r"(q|k|v)_input_norm", r"\1_input_layernorm"),

@@ -12,7 +12,6 @@ output is the routing-weighted sum of its experts' outputs, accumulated in fp32.
 - `refuse_lora_on_quantized_experts`: the clear error for a PEFT `target_parameters` that names packed weights.
 """
 
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -68,15 +67,19 @@ class Inkling2ExpertsBase(nn.Module):
         """(gate_up [2I, H], down [H, I]) of one expert in a dtype that matmuls with the activations."""
         raise NotImplementedError
 
+    def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """One expert on its tokens: `down(softcapped_swiglu(gate_up(x)))`."""
+        gate_up, down = self.expert_weights(expert)
+        gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+        hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
+        return F.linear(hidden, down.to(x.dtype))
+
     def loop_over_experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The reference: x [N, H]; expert_ids, weights [N, k]. Outputs accumulate in fp32."""
         output = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in expert_ids.unique().tolist():
             token, slot = torch.where(expert_ids == expert)
-            gate_up, down = self.expert_weights(expert)
-            gate, up = F.linear(x[token], gate_up.to(x.dtype)).chunk(2, dim=-1)
-            hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
-            expert_output = F.linear(hidden, down.to(x.dtype)) * weights[token, slot, None]
+            expert_output = self.expert_mlp(x[token], expert) * weights[token, slot, None]
             output.index_add_(0, token, expert_output.float())
         return output.to(x.dtype)
 
@@ -170,8 +173,17 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
             )
         return tuple(weights)
 
+    def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """When gradients flow through (LoRA on attention trains through frozen experts), the dequantized weights
+        are recomputed in backward instead of being kept: training holds no dequantized copy of the experts."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            return torch.utils.checkpoint.checkpoint(super().expert_mlp, x, expert, use_reentrant=False)
+        return super().expert_mlp(x, expert)
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and experts_implementation(self.config) == "grouped_mm":
+        # the kernel has no backward: with gradients flowing, the differentiable reference runs
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
+        if x.is_cuda and not needs_grad and experts_implementation(self.config) == "grouped_mm":
             from .kernel_loading import moe_kernel
 
             nvfp4 = self.format == "nvfp4"
@@ -193,30 +205,3 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
 
     def extra_repr(self) -> str:
         return f"format={self.format}, experts={self.num_experts}, outer_scales={self.outer_scale_names}"
-
-
-def refuse_lora_on_quantized_experts(model: nn.Module, target_parameters: Iterable[str] | None) -> None:
-    """Raises when PEFT `target_parameters` (matched as PEFT does: a full name, or a suffix after a dot) name tensors of
-    `Inkling2QuantizedExperts`. Those are frozen buffers, not parameters: PEFT skips them without an error that says so
-    (beside attention targets the adapter simply leaves those experts untouched), and a LoRA delta on packed NVFP4 /
-    MXFP8 codes would mean nothing without their block scales."""
-    targets = list(target_parameters or ())
-    hits, formats = [], set()
-    for module_name, module in model.named_modules():
-        if not isinstance(module, Inkling2QuantizedExperts):
-            continue
-        for buffer_name, _ in module.named_buffers(recurse=False):
-            name = f"{module_name}.{buffer_name}"
-            if any(name == target or name.endswith(f".{target}") for target in targets):
-                hits.append(name)
-                formats.add(module.format.upper())
-    if hits:
-        more = f" and {len(hits) - 1} more" if len(hits) > 1 else ""
-        raise ValueError(
-            f"LoRA on the routed experts needs BF16 experts, but target_parameters={targets} name packed "
-            f"{'/'.join(sorted(formats))} expert weights ({hits[0]}{more}). Quantized experts are frozen buffers: PEFT "
-            "cannot adapt them, and a delta on packed codes without their block scales would be wrong. Either load a "
-            "checkpoint with BF16 experts and keep target_parameters=['mlp.experts.gate_up_proj', "
-            "'mlp.experts.down_proj'], or train an attention-only adapter: drop target_parameters and target the "
-            "attention projections with target_modules (see docs/finetuning.md)."
-        )

@@ -16,12 +16,15 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .attention import get_attention_backend
 from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
 from .experts import Inkling2Experts, Inkling2QuantizedExperts, softcap
 from .quantized_checkpoints import attach_expert_quantization, validate_quantized_experts
+
+logger = logging.get_logger(__name__)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -448,6 +451,17 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         validate_quantized_experts(model)
         return (model, info) if return_info else model
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """Non-reentrant checkpointing (the default here): the attention-residual blocks travel between layers as a
+        list of tensors, which reentrant checkpointing does not track."""
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        if kwargs["use_reentrant"]:
+            raise ValueError(
+                "Inkling2 supports non-reentrant gradient checkpointing only (its decoder layers pass the attention-"
+                "residual blocks as a list); drop `use_reentrant=True`."
+            )
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -500,6 +514,10 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training and (use_cache or past_key_values is not None):
+            # recomputing a layer in backward would write its cache a second time
+            logger.warning_once("Gradient checkpointing in training: the cache is not used (`use_cache=False`).")
+            use_cache, past_key_values = False, None
         if use_cache and past_key_values is None:
             past_key_values = Inkling2Cache(self.config)
         if past_key_values is not None and not isinstance(past_key_values, Inkling2Cache):

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers.utils import logging
 
 from . import quantized_formats as qf
 from .experts import NVFP4_OUTER_SCALES, Inkling2QuantizedExperts
+
+logger = logging.get_logger(__name__)
 
 EXPERT_TENSOR = re.compile(
     r"layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<matrix>w13_weight|w2_weight|gate_up_proj|down_proj)(?:_(?P<suffix>\w+))?$"
@@ -193,7 +196,15 @@ def attach_expert_quantization(config, checkpoint: str | Path | None, revision: 
     if checkpoint is None or not (Path(checkpoint).is_dir() or re.fullmatch(r"[\w.-]+/[\w.-]+", str(checkpoint))):
         return
     text_config = config.get_text_config()
-    quantization = detect_expert_quantization(checkpoint, text_config, revision)
+    try:
+        quantization = detect_expert_quantization(checkpoint, text_config, revision)
+    except (OSError, ValueError) as error:
+        if Path(checkpoint).is_dir() or isinstance(error, qf.QuantizedFormatError):
+            raise
+        # a Hub id whose headers cannot be read here (offline, no such repo): transformers' own loading will say
+        # what is wrong, or load BF16 experts from its cache
+        logger.warning(f"Could not read the tensor headers of {checkpoint} ({error}); assuming BF16 experts.")
+        return
     if quantization is not None:
         text_config.expert_quantization = quantization
         for holder in {id(config): config, id(text_config): text_config}.values():

@@ -9,8 +9,10 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    package_dir={"": "src"},
-    packages=find_packages("src"),
+    # the hub kernel package ships inside the wheel too, as `transformers_inkling2/hub_kernels/` (kernel_loading)
+    package_dir={"": "src", "transformers_inkling2.hub_kernels": "hub_kernels"},
+    packages=[*find_packages("src"), "transformers_inkling2.hub_kernels"],
+    package_data={"transformers_inkling2.hub_kernels": ["inkling2_moe/build.toml", "inkling2_moe/build/**/*"]},
     python_requires=">=3.10",
     install_requires=[
         "transformers>=5.23,<6",

@@ -235,6 +235,20 @@ def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
         assert buffer.dtype == before[name].dtype and torch.equal(buffer.view(torch.uint8), before[name].view(torch.uint8))
 
 
+@pytest.mark.parametrize("layer", [0, 5], ids=["nvfp4", "mxfp8"])
+def test_the_hub_kernel_loads_and_its_reference_agrees_with_the_model_on_cpu(checkpoints, layer):
+    """The kernel the model loads (`kernel_loading.moe_kernel`, through the `kernels` library) takes the experts'
+    buffers as they are; on CPU tensors it runs its own PyTorch reference."""
+    experts = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed").model.layers[layer].mlp.experts
+    generator = torch.Generator().manual_seed(layer)
+    x = torch.randn(9, 64, generator=generator)
+    expert_ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=generator)
+    kernel = experts.run_kernel(x, expert_ids, weights)
+    reference = experts.loop_over_experts(x, expert_ids, weights)
+    assert ((kernel - reference).norm() / reference.norm()).item() <= 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", [0, 5], ids=["nvfp4", "mxfp8"])
 def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp_path, layer):

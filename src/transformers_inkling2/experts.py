@@ -184,24 +184,29 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
         # the kernel has no backward: with gradients flowing, the differentiable reference runs
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
         if x.is_cuda and not needs_grad and experts_implementation(self.config) == "grouped_mm":
-            from .kernel_loading import moe_kernel
-
-            nvfp4 = self.format == "nvfp4"
-            return moe_kernel().moe_forward(
-                x.to(torch.bfloat16),
-                expert_ids,
-                weights.float(),
-                self.gate_up_proj,
-                self.down_proj,
-                self.format,
-                w13_scale=self.gate_up_proj_scale,
-                w2_scale=self.down_proj_scale,
-                w13_outer=self.outer_multiplier("gate_up_proj") if nvfp4 else None,
-                w2_outer=self.outer_multiplier("down_proj") if nvfp4 else None,
-                gate_cap=self.gate_cap,
-                up_cap=self.up_cap,
-            ).to(x.dtype)
+            return self.run_kernel(x, expert_ids, weights)
         return self.loop_over_experts(x, expert_ids, weights)
+
+    def run_kernel(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The `inkling2_moe` hub kernel on the packed buffers as they are (Triton on CUDA tensors, the kernel
+        package's own PyTorch reference elsewhere); bf16 activations."""
+        from .kernel_loading import moe_kernel
+
+        nvfp4 = self.format == "nvfp4"
+        return moe_kernel().moe_forward(
+            x.to(torch.bfloat16),
+            expert_ids,
+            weights.float(),
+            self.gate_up_proj,
+            self.down_proj,
+            self.format,
+            w13_scale=self.gate_up_proj_scale,
+            w2_scale=self.down_proj_scale,
+            w13_outer=self.outer_multiplier("gate_up_proj") if nvfp4 else None,
+            w2_outer=self.outer_multiplier("down_proj") if nvfp4 else None,
+            gate_cap=self.gate_cap,
+            up_cap=self.up_cap,
+        ).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"format={self.format}, experts={self.num_experts}, outer_scales={self.outer_scale_names}"

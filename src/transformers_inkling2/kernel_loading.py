@@ -11,7 +11,18 @@ import os
 from pathlib import Path
 
 KERNEL_ENV = "INKLING2_MOE_KERNEL"
-LOCAL_KERNEL = Path(__file__).resolve().parents[2] / "hub_kernels" / "inkling2_moe"
+# a checkout's `hub_kernels/`, or its copy inside an installed wheel
+LOCAL_KERNEL = next(
+    (
+        path
+        for path in (
+            Path(__file__).resolve().parents[2] / "hub_kernels" / "inkling2_moe",
+            Path(__file__).resolve().parent / "hub_kernels" / "inkling2_moe",
+        )
+        if path.is_dir()
+    ),
+    Path(__file__).resolve().parent / "hub_kernels" / "inkling2_moe",
+)
 
 
 @functools.cache
@@ -24,8 +35,8 @@ def moe_kernel():
         path = Path(source) if source else LOCAL_KERNEL
         if not (path / "build").is_dir():
             raise FileNotFoundError(
-                f"The inkling2_moe kernel is not at {path} (a `build/` folder is expected there). Run from a "
-                f"checkout of transformers-inkling2, or set {KERNEL_ENV} to the kernel's folder or Hub repo id."
+                f"The inkling2_moe kernel is not at {path} (a `build/` folder is expected there). Reinstall "
+                f"transformers-inkling2, or set {KERNEL_ENV} to the kernel's folder or Hub repo id."
             )
         return kernels.get_local_kernel(path)
     repo_id, _, revision = source.partition("@")

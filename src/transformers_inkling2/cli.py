@@ -3,6 +3,7 @@
     inkling2                                  generate with the embedded tiny model (no download)
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
+    inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
     inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high]   OpenAI-compatible server
 """
 
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-SUBCOMMANDS = ("generate", "serve", "quantize")
+SUBCOMMANDS = ("generate", "serve", "quantize", "plan")
 DEFAULT_PROMPT = "Write one sentence about the sea."
 
 
@@ -44,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
     quantize.add_argument("target", help="output folder")
     quantize.add_argument("--mxfp8-from", type=int, default=40, help="first layer with MXFP8 experts (NVFP4 before)")
+    plan = commands.add_parser("plan", help="GPU memory per rank for a checkpoint variant, parallel size and context")
+    plan.add_argument("--config", help="a config.json or checkpoint folder (default: Inkling-2-Small's)")
+    plan.add_argument("--variant", default="nvfp4-mxfp8", choices=["nvfp4-mxfp8", "mxfp8", "bf16"])
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads)")
+    plan.add_argument("--ep", type=int, help="expert-parallel size (default: --tp)")
+    plan.add_argument("--context", type=int, default=262_144, help="tokens per sequence")
+    plan.add_argument("--batch", type=int, default=1, help="sequences")
+    plan.add_argument("--prefill-chunk", type=int, default=16_384)
+    plan.add_argument("--gpu-gib", type=float, default=139.0, help="usable memory per GPU (H200: about 139 GiB)")
     return parser
 
 
@@ -174,12 +184,25 @@ def run_serve(args: argparse.Namespace) -> None:
     serve(model, tokenizer, processor, args.host, args.port, model_id, args.max_tokens, effort)
 
 
+def run_plan(args: argparse.Namespace) -> None:
+    from .configuration_inkling2 import Inkling2Config
+    from .planning import format_plan, memory_plan
+
+    config = Inkling2Config.from_pretrained(args.config) if args.config else Inkling2Config()
+    plan = memory_plan(config, args.variant, args.tp, args.ep, args.context, args.batch, args.prefill_chunk)
+    print(
+        f"[plan] {args.variant} experts, TP {args.tp} / EP {args.ep or args.tp}, {args.batch} x {args.context:,} tokens, "
+        f"prefill chunks of {args.prefill_chunk:,}\n{format_plan(plan, args.gpu_gib)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
         argv = ["generate", *argv]
     args = build_parser().parse_args(argv)
-    {"generate": run_generate, "serve": run_serve, "quantize": run_quantize}[args.command](args)
+    commands = {"generate": run_generate, "serve": run_serve, "quantize": run_quantize, "plan": run_plan}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import build_pair, greedy_by_recomputation, greedy_generate, left_padded_batch
+from conftest import build_pair, greedy_by_recomputation, greedy_generate, left_padded_batch, positions_from_mask
 from transformers import DynamicCache
 
 from transformers_inkling2 import Inkling2Cache
@@ -82,3 +82,18 @@ def test_chunked_prefill_generates_the_same_tokens(models):
     input_ids, attention_mask = left_padded_batch(seed=4, length=30, pad=4)
     whole = greedy_generate(ours, input_ids, attention_mask, new_tokens=8)
     assert torch.equal(whole, greedy_generate(ours, input_ids, attention_mask, new_tokens=8, prefill_chunk_size=7))
+
+
+def test_a_forward_in_prefill_chunks_equals_one_forward(models):
+    """`prefill_chunk_size` in a plain forward: the same logits, with or without a cache kept for later."""
+    ours, _ = models
+    input_ids, attention_mask = left_padded_batch(seed=6, length=30, pad=4)
+    inputs = dict(attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask))
+    with torch.no_grad():
+        whole = ours(input_ids, use_cache=False, **inputs).logits
+        chunked = ours(input_ids, use_cache=False, prefill_chunk_size=7, **inputs)
+        kept = ours(input_ids, past_key_values=Inkling2Cache(ours.config), prefill_chunk_size=11, **inputs)
+    real = attention_mask.bool()
+    assert chunked.past_key_values is None and kept.past_key_values.get_seq_length() == 30
+    for logits in (chunked.logits, kept.logits):
+        assert (logits - whole)[real].abs().max() <= 1e-5

@@ -100,6 +100,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=kwargs.get("output_hidden_states"),
+            prefill_chunk_size=kwargs.get("prefill_chunk_size"),
         )
         return Inkling2ModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,

@@ -86,8 +86,7 @@ class Inkling2RelativeLogits(nn.Module):
             raise ValueError(
                 f"{queries} tokens in one forward need relative logits of {batch * queries * heads * self.proj.shape[1]:,} "
                 "elements, beyond what attention kernels index (2^31). Feed long prompts in chunks through the cache: "
-                "`generate(..., prefill_chunk_size=16384)`, or call the model on consecutive slices with one "
-                "`Inkling2Cache`."
+                "`model(..., prefill_chunk_size=16384)` or `generate(..., prefill_chunk_size=16384)`."
             )
         return (relative_states @ self.proj.to(relative_states.dtype)).transpose(1, 2)
 
@@ -502,9 +501,12 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         past_key_values: Inkling2Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        prefill_chunk_size: int | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
+        `prefill_chunk_size` runs a long input through the layers in chunks of that many tokens, carrying the
+        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`).
         `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
         `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
         block, the stream that speculative drafters tap), the last one after the final readout and norm, as
@@ -527,6 +529,10 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
 
         batch, length, _ = inputs_embeds.shape
+        if prefill_chunk_size is not None and length > prefill_chunk_size:
+            return self.prefill_in_chunks(
+                inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
+            )
         past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
         query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
         if position_ids is None:
@@ -551,6 +557,29 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
             hidden_states=(*layer_outputs[:-1], hidden_states) if output_hidden_states else None,
+        )
+
+    def prefill_in_chunks(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, chunk_size, **kwargs):
+        """Consecutive slices of the input through the model with one cache: everything in the model is causal, so
+        the result equals one forward over the whole input (the cache is made here, and dropped after, when the
+        caller has none)."""
+        if kwargs.get("output_hidden_states"):
+            raise ValueError("`output_hidden_states` is not available with `prefill_chunk_size`.")
+        cache = Inkling2Cache(self.config) if cache is None else cache
+        past_length = cache.get_seq_length()
+        hidden_states = []
+        for start in range(0, inputs_embeds.shape[1], chunk_size):
+            end = min(start + chunk_size, inputs_embeds.shape[1])
+            output = self(
+                inputs_embeds=inputs_embeds[:, start:end],
+                attention_mask=None if attention_mask is None else attention_mask[:, : past_length + end],
+                position_ids=None if position_ids is None else position_ids[..., start:end],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            hidden_states.append(output.last_hidden_state)
+        return BaseModelOutputWithPast(
+            last_hidden_state=torch.cat(hidden_states, dim=1), past_key_values=cache if use_cache is not False else None
         )
 
     @staticmethod
@@ -624,6 +653,7 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
+        prefill_chunk_size: int | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -634,6 +664,7 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            prefill_chunk_size=prefill_chunk_size,
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(

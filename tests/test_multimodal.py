@@ -96,6 +96,21 @@ def test_generate_with_images_equals_uncached_recomputation_and_builtin(models):
     assert torch.equal(generated, greedy_generate(oracle, input_ids, attention_mask, new_tokens=12, **kwargs))
 
 
+def test_a_forward_with_images_in_prefill_chunks_equals_one_forward(models):
+    ours, _ = models
+    pixel_values, grid = images((2, 3), seed=5)
+    input_ids, attention_mask = prompt_with_placeholders([[(4, 6)]], seed=5)
+    inputs = dict(pixel_values=pixel_values, image_grid_thw=grid, attention_mask=attention_mask, use_cache=False)
+    calls = []
+    hook = ours.model.language_model.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        whole = ours(input_ids, **inputs).logits
+        chunked = ours(input_ids, prefill_chunk_size=7, **inputs).logits
+    hook.remove()
+    assert len(calls) == 1 + (1 + 4)  # one forward, then a chunked one: itself and 24 tokens in 4 chunks
+    assert (chunked - whole).abs().max() <= 1e-5
+
+
 def test_placeholder_count_that_does_not_match_the_features_is_a_clear_error(models):
     ours, _ = models
     pixel_values, grid = images((2, 3))

@@ -147,6 +147,7 @@ class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inklin
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=kwargs.pop("output_hidden_states", None),
+            prefill_chunk_size=kwargs.pop("prefill_chunk_size", None),
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return Inkling2CausalLMOutputWithPast(

@@ -24,6 +24,16 @@ def test_main_job_takes_an_image_through_the_pipeline(tmp_path, capsys):
     assert "[image: " in out and "3 new tokens" in out
 
 
+def test_main_job_on_a_text_only_checkpoint_uses_the_text_generation_pipeline(tmp_path, capsys):
+    from transformers_inkling2.tiny import build_tiny_causal_lm
+    from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
+
+    build_tiny_causal_lm().save_pretrained(tmp_path)
+    build_inkling2_tokenizer().save_pretrained(tmp_path)
+    main(["--model", str(tmp_path), "--max-new-tokens", "3"])
+    assert "3 new tokens" in capsys.readouterr().out
+
+
 def test_module_entry_point_runs():
     result = subprocess.run(
         [sys.executable, "-m", "transformers_inkling2", "generate", "--max-new-tokens", "2"],

@@ -69,34 +69,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_model_and_tokenizer(model_path: str | None, device: torch.device, dtype: torch.dtype):
-    """A checkpoint's model and tokenizer, or the embedded tiny model with the real tokenizer."""
+def load(model_path: str | None, device: torch.device, dtype: torch.dtype):
+    """(model, processor, tokenizer) of a checkpoint, or the embedded tiny model with the real tokenizer, chat
+    template and image processor. The processor is None for a text-only checkpoint; the tokenizer is loaded once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import TINY_MODEL_LABEL, build_tiny_model
-    from .tokenization_inkling2 import build_inkling2_tokenizer
-
-    if model_path is None:
-        print(f"[model] {TINY_MODEL_LABEL}", flush=True)
-        return build_tiny_model().to(device=device, dtype=dtype), build_inkling2_tokenizer()
-    print(f"[model] {model_path}", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device)
-    return model.eval(), AutoTokenizer.from_pretrained(model_path)
-
-
-def load_processor(model_path: str | None):
-    """The multimodal processor (tokenizer, image processor, chat template) of a checkpoint, or the real one for
-    the tiny model; None for a text-only checkpoint."""
-    from .tiny import build_tiny_processor
-
-    if model_path is None:
-        return build_tiny_processor()
     from .processing_inkling2 import Inkling2Processor
+    from .tiny import TINY_MODEL_LABEL, build_tiny_model, build_tiny_processor
 
+    print(f"[model] {TINY_MODEL_LABEL if model_path is None else model_path}", flush=True)
+    if model_path is None:
+        processor = build_tiny_processor()
+        return build_tiny_model().to(device=device, dtype=dtype), processor, processor.tokenizer
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device).eval()
     try:
-        return Inkling2Processor.from_pretrained(model_path)
+        processor = Inkling2Processor.from_pretrained(model_path)
     except (OSError, ValueError):
-        return None
+        return model, None, AutoTokenizer.from_pretrained(model_path)
+    return model, processor, processor.tokenizer
 
 
 class CountingStreamer:
@@ -125,34 +115,33 @@ def run_generate(args: argparse.Namespace) -> None:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer = load_model_and_tokenizer(args.model, device, dtype)
-    processor = load_processor(args.model)
+    model, processor, tokenizer = load(args.model, device, dtype)
     if args.image and processor is None:
         raise SystemExit(f"{args.model} has no image processor (preprocessor_config.json): it cannot take --image.")
     content = [{"type": "text", "text": args.prompt}]
     if args.image:
         content.insert(0, {"type": "image", "url" if "://" in args.image else "path": args.image})
     messages = [{"role": "user", "content": content}]
-    if processor is not None:
+    torch.manual_seed(args.seed)
+    streamer = CountingStreamer(tokenizer)
+    generation = dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature if args.sample else None,
+        top_p=None,
+        top_k=None,
+        streamer=streamer,
+    )
+    if processor is not None:  # the two pipelines name their inputs and generation arguments differently
         generator = pipeline("image-text-to-text", model=model, processor=processor)
+        call = dict(text=messages, generate_kwargs=generation)
     else:
         generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    torch.manual_seed(args.seed)
-    streamer = CountingStreamer(processor.tokenizer if processor is not None else tokenizer)
+        call = dict(text_inputs=messages, **generation)
 
     print(f"[prompt] {args.prompt}" + (f" [image: {args.image}]" if args.image else "") + "\n[reply] ", end="", flush=True)
     start = time.perf_counter()
-    generator(
-        text=messages,
-        max_new_tokens=args.max_new_tokens,
-        generate_kwargs=dict(
-            do_sample=args.sample,
-            temperature=args.temperature if args.sample else None,
-            top_p=None,
-            top_k=None,
-            streamer=streamer,
-        ),
-    )
+    generator(**call)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
@@ -173,8 +162,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from .serving import serve
 
     device = resolve_device(args.device)
-    model, tokenizer = load_model_and_tokenizer(args.model, device, resolve_dtype(args.dtype, device))
-    processor = load_processor(args.model)
+    model, processor, tokenizer = load(args.model, device, resolve_dtype(args.dtype, device))
     if processor is None:
         print("[serve] the checkpoint has no image processor: serving text only", flush=True)
     effort = args.effort

@@ -10,6 +10,10 @@ output is the routing-weighted sum of its experts' outputs, accumulated in fp32.
   they run through the `inkling2_moe` hub kernel (fused dequantization); elsewhere, and with
   `experts_implementation="eager"`, each active expert is dequantized on the fly and computed like the BF16 reference.
 - `refuse_lora_on_quantized_experts`: the clear error for a PEFT `target_parameters` that names packed weights.
+
+Split across ranks by a parallel plan (`tensor_parallel`, `expert_parallel` set), a module holds a contiguous block
+of `num_experts` experts starting at global id `first_expert`, skips the routes whose id (minus `first_expert`) falls
+outside its block and returns an fp32 output, which the plan sums over the ranks.
 """
 
 
@@ -19,6 +23,7 @@ from torch import nn
 
 from . import quantized_formats as qf
 from .configuration_inkling2 import Inkling2TextConfig
+from .tensor_parallel import local_tensor
 
 EXPERT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 MAX_GROUPED_ELEMENTS = 2**31  # torch._grouped_mm indexes its operands with 32-bit integers
@@ -59,9 +64,20 @@ class Inkling2ExpertsBase(nn.Module):
     def __init__(self, config: Inkling2TextConfig):
         super().__init__()
         self.config = config
-        self.num_experts = config.n_routed_experts
+        self.num_experts = config.n_routed_experts  # held by this module: all of them unless split across ranks
+        self.first_expert = 0  # global id of the module's expert 0
+        self.expert_parallel = False  # split across ranks: other ranks' routes skipped, fp32 outputs for the sum
         self.hidden_size, self.intermediate_size = config.hidden_size, config.moe_intermediate_size
         self.gate_cap, self.up_cap = config.mlp_gate_softcap, config.mlp_up_softcap
+
+    def local_expert_ids(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> ids in this module's block; routes to other ranks' experts fall outside
+        `[0, num_experts)`, which every path skips."""
+        return expert_ids - self.first_expert if self.first_expert else expert_ids
+
+    def finish(self, output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 accumulation in the activations' dtype, or kept fp32 when it is to be summed over ranks."""
+        return output.float() if self.expert_parallel else output.to(dtype)
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert in a dtype that matmuls with the activations."""
@@ -77,11 +93,14 @@ class Inkling2ExpertsBase(nn.Module):
     def loop_over_experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The reference: x [N, H]; expert_ids, weights [N, k]. Outputs accumulate in fp32."""
         output = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        expert_ids = self.local_expert_ids(expert_ids)
         for expert in expert_ids.unique().tolist():
+            if not 0 <= expert < self.num_experts:
+                continue  # another rank's expert
             token, slot = torch.where(expert_ids == expert)
             expert_output = self.expert_mlp(x[token], expert) * weights[token, slot, None]
             output.index_add_(0, token, expert_output.float())
-        return output.to(x.dtype)
+        return self.finish(output, x.dtype)
 
 
 class Inkling2Experts(Inkling2ExpertsBase):
@@ -93,7 +112,7 @@ class Inkling2Experts(Inkling2ExpertsBase):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, self.intermediate_size))
 
     def expert_weights(self, expert: int):
-        return self.gate_up_proj[expert], self.down_proj[expert]
+        return local_tensor(self.gate_up_proj)[expert], local_tensor(self.down_proj)[expert]
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if experts_implementation(self.config) == "eager":
@@ -102,22 +121,35 @@ class Inkling2Experts(Inkling2ExpertsBase):
 
     def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sorts the (token, slot) pairs by expert and runs each projection as one grouped GEMM; no host sync.
-        Long prefills go in chunks of tokens whose sorted activations stay under 2^31 elements."""
+        Long prefills go in chunks of tokens whose sorted activations stay under 2^31 elements. Routes to other
+        ranks' experts sort last, past the final group: the GEMMs leave those rows unwritten (in backward too), so
+        they are zeroed on the way in and out."""
         tokens, top_k = expert_ids.shape
         chunk = max(1, MAX_GROUPED_ELEMENTS // (top_k * 2 * max(self.hidden_size, self.intermediate_size)))
         if tokens > chunk:
             parts = [self.grouped(*(t[start : start + chunk] for t in (x, expert_ids, weights))) for start in range(0, tokens, chunk)]
             return torch.cat(parts)
-        order = expert_ids.reshape(-1).argsort(stable=True)
-        ends = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).cumsum(0).to(torch.int32)
+        ids = self.local_expert_ids(expert_ids).reshape(-1)
+        elsewhere = None
+        if self.expert_parallel:
+            elsewhere = (ids < 0) | (ids >= self.num_experts)
+            ids = ids.masked_fill(elsewhere, self.num_experts)
+        order = ids.argsort(stable=True)
+        ends = torch.bincount(ids, minlength=self.num_experts + 1)[: self.num_experts].cumsum(0).to(torch.int32)
         sorted_x = x[order // top_k]
-        gate, up = torch._grouped_mm(sorted_x, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        if elsewhere is not None:
+            elsewhere = elsewhere[order, None]
+            sorted_x = sorted_x.masked_fill(elsewhere, 0.0)  # and their unwritten input gradients in backward
+        gate_up_proj, down_proj = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
+        gate, up = torch._grouped_mm(sorted_x, gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
-        sorted_out = torch._grouped_mm(hidden, self.down_proj.transpose(1, 2), offs=ends)
+        sorted_out = torch._grouped_mm(hidden, down_proj.transpose(1, 2), offs=ends).float()
+        if elsewhere is not None:
+            sorted_out = sorted_out.masked_fill(elsewhere, 0.0)
         per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
-        per_slot[order] = sorted_out.float() * weights.reshape(-1)[order, None]
+        per_slot[order] = sorted_out * weights.reshape(-1)[order, None]
         # summed slot by slot in a fixed order: deterministic
-        return per_slot.view(tokens, top_k, -1).sum(1).to(x.dtype)
+        return self.finish(per_slot.view(tokens, top_k, -1).sum(1), x.dtype)
 
 
 class Inkling2QuantizedExperts(Inkling2ExpertsBase):
@@ -150,6 +182,14 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
     def _frozen(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.register_buffer(name, torch.zeros(shape, dtype=dtype))
 
+    def __setattr__(self, name, value):
+        # transformers' loader hands a tensor-parallel (DTensor) block back as an `nn.Parameter`: keep it a buffer
+        if isinstance(value, nn.Parameter) and name in self.__dict__.get("_buffers", {}):
+            loaded = getattr(value, "_is_hf_initialized", False)
+            value = value.detach()
+            value._is_hf_initialized = loaded
+        super().__setattr__(name, value)
+
     def _apply(self, fn, recurse=True):
         """`.to()`, `.cuda()`, `.bfloat16()` move the packed tensors but never cast them: their dtype is their format
         (a cast would turn E4M3 bytes into numbers and round the fp32 outer scales)."""
@@ -159,14 +199,15 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
 
     def outer_multiplier(self, name: str) -> torch.Tensor:
         """fp32 multiplier per expert ([E] or [E, 2]) from whichever outer-scale convention the checkpoint uses."""
-        tensors = {outer: getattr(self, f"{name}_{outer}") for outer in self.outer_scale_names}
+        tensors = {outer: local_tensor(getattr(self, f"{name}_{outer}")) for outer in self.outer_scale_names}
         return qf.nvfp4_outer_multiplier(**{NVFP4_OUTER_SCALES[outer]: t for outer, t in tensors.items()})
 
     def expert_weights(self, expert: int):
         """Dequantizes one expert (only the experts a batch uses, one at a time: no dequantized model copy)."""
         weights = []
         for name in ("gate_up_proj", "down_proj"):
-            packed, scale = getattr(self, name)[expert : expert + 1], getattr(self, f"{name}_scale")[expert : expert + 1]
+            packed = local_tensor(getattr(self, name))[expert : expert + 1]
+            scale = local_tensor(getattr(self, f"{name}_scale"))[expert : expert + 1]
             outer = self.outer_multiplier(name)[expert : expert + 1] if self.format == "nvfp4" else None
             weights.append(
                 qf.dequantize_expert_weights(packed, scale, outer, quant_format=self.format, dtype=torch.float32)[0]
@@ -193,20 +234,23 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
         from .kernel_loading import moe_kernel
 
         nvfp4 = self.format == "nvfp4"
-        return moe_kernel().moe_forward(
-            x.to(torch.bfloat16),
-            expert_ids,
-            weights.float(),
-            self.gate_up_proj,
-            self.down_proj,
-            self.format,
-            w13_scale=self.gate_up_proj_scale,
-            w2_scale=self.down_proj_scale,
-            w13_outer=self.outer_multiplier("gate_up_proj") if nvfp4 else None,
-            w2_outer=self.outer_multiplier("down_proj") if nvfp4 else None,
-            gate_cap=self.gate_cap,
-            up_cap=self.up_cap,
-        ).to(x.dtype)
+        return self.finish(
+            moe_kernel().moe_forward(
+                x.to(torch.bfloat16),
+                self.local_expert_ids(expert_ids),  # the kernel drops ids outside [0, experts): other ranks' routes
+                weights.float(),
+                local_tensor(self.gate_up_proj),
+                local_tensor(self.down_proj),
+                self.format,
+                w13_scale=local_tensor(self.gate_up_proj_scale),
+                w2_scale=local_tensor(self.down_proj_scale),
+                w13_outer=self.outer_multiplier("gate_up_proj") if nvfp4 else None,
+                w2_outer=self.outer_multiplier("down_proj") if nvfp4 else None,
+                gate_cap=self.gate_cap,
+                up_cap=self.up_cap,
+            ),
+            x.dtype,
+        )
 
     def extra_repr(self) -> str:
         return f"format={self.format}, experts={self.num_experts}, outer_scales={self.outer_scale_names}"

@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from . import quantized_formats as qf
 from .experts import NVFP4_OUTER_SCALES, Inkling2QuantizedExperts
+from .tensor_parallel import local_tensor
 
 logger = logging.get_logger(__name__)
 
@@ -169,12 +170,13 @@ def sidecar_formats(sidecar: dict) -> dict[int, str]:
 
 
 def validate_quantized_experts(model: torch.nn.Module) -> None:
-    """Raises on NaN or infinite scales (E8M0 byte 255, E4M3 NaN, non-finite outer scales) after loading."""
+    """Raises on NaN or infinite scales (E8M0 byte 255, E4M3 NaN, non-finite outer scales) after loading. Under
+    tensor parallelism every rank checks the block of experts it holds."""
     for name, module in model.named_modules():
         if not isinstance(module, Inkling2QuantizedExperts):
             continue
         for matrix in ("gate_up_proj", "down_proj"):
-            scale = getattr(module, f"{matrix}_scale")
+            scale = local_tensor(getattr(module, f"{matrix}_scale"))
             values = qf.e8m0_decode(scale) if module.format == "mxfp8" else scale.float()
             tensors = {f"{name}.{matrix}_scale": values}
             if module.format == "nvfp4":

@@ -11,8 +11,8 @@ Inkling2 tokenizer and cut into fixed-length blocks; the last few blocks are hel
 
 The adapter is written with `save_pretrained` (default folder `inkling2-lora/`). Load it onto the same base model
 with `PeftModel.from_pretrained(model, "inkling2-lora")` or `model.load_adapter("inkling2-lora")`, or merge it with
-`merge_and_unload()`. After fine-tuning, realign the DSpark drafter with `inkling2 train-dspark` (coming with the
-DSpark issue; the command does not exist yet). See docs/finetuning.md.
+`merge_and_unload()`. After fine-tuning, realign the DSpark drafter: save the merged model and run
+`inkling2 train-dspark --model MERGED --output REALIGNED`. See docs/finetuning.md and docs/dspark.md.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
 
     model.save_pretrained(args.output)
     print(f"adapter saved to {args.output}/ (load it with PeftModel.from_pretrained(model, {args.output!r}))")
-    print("after fine-tuning, realign the DSpark drafter with `inkling2 train-dspark` (coming with the DSpark issue)")
+    print("to realign the DSpark drafter: merge_and_unload(), save_pretrained(MERGED), then "
+          "`inkling2 train-dspark --model MERGED --output REALIGNED`")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def test_config_fields_and_defaults_equal_builtin():
         ours_fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(ours)}
         theirs_fields = {f.name: getattr(theirs, f.name) for f in dataclasses.fields(theirs)}
         assert {name: ours_fields[name] for name in theirs_fields} == theirs_fields
-        assert set(ours_fields) - set(theirs_fields) <= {"expert_quantization"}  # ours: quantized expert layout
+        # ours: the quantized expert layout and the DSpark drafter
+        assert set(ours_fields) - set(theirs_fields) <= {"expert_quantization", "dspark_config"}
     assert Inkling2Config().image_token_id == builtin.Inkling2Config().image_token_id == 200054
     assert Inkling2TextConfig().full_attention_layers == list(range(5, 48, 6))
 

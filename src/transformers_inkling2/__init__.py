@@ -8,6 +8,10 @@ The data path, module by module:
     cache_inkling2           `Inkling2Cache`: keys/values + short-convolution states, rollback for speculation
     modeling_inkling2_vision the ViT and the merger into the text width
     modeling_inkling2        `Inkling2Model`, `Inkling2ForConditionalGeneration`: image features at the placeholders
+    modeling_inkling2_dspark the DSpark drafter: block decoder over the target's hidden states + Markov head
+    generation_dspark        `generate(dspark=True)`: draft, verify in one target pass, accept losslessly, roll back
+    dspark_checkpoints       the official `mtp.safetensors` -> the drafter (or DSpark disabled with a warning)
+    dspark_training          `inkling2 train-dspark`: distill the drafter from its frozen target
     checkpoint_conversion    original checkpoint names <-> ours (load and save)
     quantized_formats        NVFP4 / MXFP8 expert weight codecs (the pure-PyTorch reference)
     tokenization_inkling2    `Inkling2Tokenizer`: o200k_base + the 60 Inkling special tokens
@@ -20,6 +24,7 @@ The data path, module by module:
     quantized_checkpoints    which layers are NVFP4 / MXFP8, read from the tensor headers; scale validation
     quantize                 `inkling2 quantize`: BF16 -> the official mixed layout
     kernel_loading           the `inkling2_moe` hub kernel, through the `kernels` library
+    tensor_parallel          `tp_plan="auto"` under torchrun: attention split by heads, experts in blocks
     tiny, cli                the embedded tiny model and the `inkling2` command
 
 Importing the package registers every class with transformers' Auto classes, ahead of transformers' own
@@ -39,7 +44,7 @@ from transformers import (
 
 from .cache_inkling2 import Inkling2Cache
 from .checkpoint_conversion import register_conversion_mappings
-from .configuration_inkling2 import Inkling2Config, Inkling2TextConfig, Inkling2VisionConfig
+from .configuration_inkling2 import Inkling2Config, Inkling2DSparkConfig, Inkling2TextConfig, Inkling2VisionConfig
 from .image_processing_inkling2 import Inkling2ImageProcessorPil
 from .modeling_inkling2 import Inkling2ForConditionalGeneration, Inkling2Model
 from .modeling_inkling2_text import Inkling2ForCausalLM, Inkling2PreTrainedModel, Inkling2TextModel
@@ -51,7 +56,7 @@ __version__ = "0.1.0"
 
 
 def _register() -> None:
-    for config_class in (Inkling2Config, Inkling2TextConfig, Inkling2VisionConfig):
+    for config_class in (Inkling2Config, Inkling2TextConfig, Inkling2VisionConfig, Inkling2DSparkConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(Inkling2TextConfig, Inkling2TextModel, exist_ok=True)
     AutoModel.register(Inkling2VisionConfig, Inkling2VisionModel, exist_ok=True)
@@ -75,6 +80,7 @@ _register()
 __all__ = [
     "Inkling2Cache",
     "Inkling2Config",
+    "Inkling2DSparkConfig",
     "Inkling2ForCausalLM",
     "Inkling2ForConditionalGeneration",
     "Inkling2ImageProcessorPil",

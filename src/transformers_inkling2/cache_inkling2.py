@@ -33,6 +33,18 @@ def keep_last(tensor: torch.Tensor | None, new: torch.Tensor, dim: int, limit: i
     return joined
 
 
+def shift_rows_right(tensor: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Moves row `b` of `tensor` (batch first) `shifts[b]` places later along `dim`: its last `shifts[b]` entries
+    fall off and its first ones become zeros. Speculative decoding uses it to drop the rejected tokens of a row that
+    accepted fewer than the others, turning them into left padding instead (see `Inkling2Cache.shift_rows_right`)."""
+    moved = tensor.movedim(dim, -1)
+    length = moved.shape[-1]
+    source = torch.arange(length, device=tensor.device) - shifts.to(tensor.device)[:, None]
+    index = source.clamp(min=0).view(shifts.shape[0], *([1] * (moved.dim() - 2)), length).expand_as(moved)
+    keep = (source >= 0).view(index.shape[0], *([1] * (moved.dim() - 2)), length)
+    return (moved.gather(-1, index) * keep.to(moved.dtype)).movedim(-1, dim)
+
+
 class Inkling2LayerCache(CacheLayerMixin):
     """One decoder layer's keys/values ([batch, kv_heads, time, head_dim]) and convolution inputs ([batch, C, time])."""
 
@@ -99,6 +111,9 @@ class Inkling2LayerCache(CacheLayerMixin):
         self.conv_inputs = [None if held is None else held[..., : held.shape[-1] - count] for held in self.conv_inputs]
         self.seen_tokens -= count
 
+    def shift_rows_right(self, shifts: torch.Tensor) -> None:
+        self._map_tensors(lambda t: shift_rows_right(t, shifts, 2 if t.dim() == 4 else -1))
+
     def _map_tensors(self, fn) -> None:
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
@@ -157,5 +172,15 @@ class Inkling2Cache(Cache):
             )
         super().crop(tokens_to_remove)
 
+    def shift_rows_right(self, shifts: torch.Tensor) -> None:
+        """Row `b` drops its last `shifts[b]` tokens and gains as many padding slots at its start, so that every row
+        keeps the same length (and physical positions). Exact while `shifts <= rollback_margin`: in sliding-window
+        layers and convolutions the slots that turn to zeros are then already outside the window or kernel. The
+        caller shifts its 2-D padding mask the same way."""
+        if int(shifts.max()) > self.rollback_margin:
+            raise ValueError(f"Rows can move at most {self.rollback_margin} places (the rollback margin).")
+        for layer in self.layers:
+            layer.shift_rows_right(shifts)
 
-__all__ = ["Inkling2Cache"]
+
+__all__ = ["Inkling2Cache", "shift_rows_right"]

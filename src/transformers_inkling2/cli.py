@@ -5,6 +5,7 @@
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
     inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high]   OpenAI-compatible server
+    inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-SUBCOMMANDS = ("generate", "serve", "quantize", "plan")
+SUBCOMMANDS = ("generate", "serve", "quantize", "plan", "train-dspark")
 DEFAULT_PROMPT = "Write one sentence about the sea."
 
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--dspark", action="store_true", help="speculative decoding with the bundled DSpark drafter")
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")
     serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
     serve.add_argument("--host", default="127.0.0.1")
@@ -54,6 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, default=1, help="sequences")
     plan.add_argument("--prefill-chunk", type=int, default=16_384)
     plan.add_argument("--gpu-gib", type=float, default=139.0, help="usable memory per GPU (H200: about 139 GiB)")
+    train = commands.add_parser("train-dspark", help="distill the DSpark drafter from its frozen target on text")
+    train.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    train.add_argument("--output", required=True, help="folder for the model with its trained drafter")
+    train.add_argument("--corpus", nargs="*", help="text files (default: CPython's English documentation, pydoc_data)")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--window", type=int, default=512, help="tokens per training window")
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--anchors", type=int, default=32, help="blocks per window")
+    train.add_argument("--learning-rate", type=float, default=1e-3)
+    train.add_argument("--new-drafter", action="store_true", help="train a fresh drafter instead of the model's own")
+    train.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
+    train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    train.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -80,7 +95,7 @@ def load(model_path: str | None, device: torch.device, dtype: torch.dtype):
     print(f"[model] {TINY_MODEL_LABEL if model_path is None else model_path}", flush=True)
     if model_path is None:
         processor = build_tiny_processor()
-        return build_tiny_model().to(device=device, dtype=dtype), processor, processor.tokenizer
+        return build_tiny_model(dspark=True).to(device=device, dtype=dtype), processor, processor.tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device).eval()
     try:
         processor = Inkling2Processor.from_pretrained(model_path)
@@ -131,6 +146,7 @@ def run_generate(args: argparse.Namespace) -> None:
         top_p=None,
         top_k=None,
         streamer=streamer,
+        dspark=args.dspark,
     )
     if processor is not None:  # the two pipelines name their inputs and generation arguments differently
         generator = pipeline("image-text-to-text", model=model, processor=processor)
@@ -184,12 +200,44 @@ def run_plan(args: argparse.Namespace) -> None:
     )
 
 
+def run_train_dspark(args: argparse.Namespace) -> None:
+    from .dspark_training import (
+        attach_new_drafter,
+        default_dspark_config,
+        offline_english_corpus,
+        token_windows,
+        train_dspark,
+    )
+
+    device = resolve_device(args.device)
+    model, processor, tokenizer = load(args.model, device, resolve_dtype(args.dtype, device))
+    if args.new_drafter or model.dspark is None:
+        attach_new_drafter(model, default_dspark_config(model.config.get_text_config()), seed=args.seed)
+    if args.corpus:
+        text = "\n\n".join(open(path, encoding="utf-8").read() for path in args.corpus)
+    else:
+        text = offline_english_corpus()
+    token_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    print(f"[train-dspark] {len(token_ids):,} tokens of text; {args.steps} steps of {args.batch_size} x {args.window}")
+    batches = token_windows(token_ids, args.window, args.batch_size, args.seed, device)
+    losses = train_dspark(model, batches, args.steps, args.learning_rate, args.anchors, args.seed)
+    model.save_pretrained(args.output)
+    (processor or tokenizer).save_pretrained(args.output)
+    print(f"[train-dspark] loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {args.output}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
         argv = ["generate", *argv]
     args = build_parser().parse_args(argv)
-    commands = {"generate": run_generate, "serve": run_serve, "quantize": run_quantize, "plan": run_plan}
+    commands = {
+        "generate": run_generate,
+        "serve": run_serve,
+        "quantize": run_quantize,
+        "plan": run_plan,
+        "train-dspark": run_train_dspark,
+    }
     commands[args.command](args)
 
 

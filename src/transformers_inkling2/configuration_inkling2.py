@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+from .tensor_parallel import TEXT_MODEL_EP_PLAN, TEXT_MODEL_TP_PLAN
 
 SLIDING_LAYER = "hybrid_sliding"
 FULL_LAYER = "hybrid"
@@ -32,6 +35,90 @@ class ReadsExpertStorage:
         config = loaded[0] if kwargs.get("return_unused_kwargs") else loaded
         attach_expert_quantization(config, pretrained_model_name_or_path, kwargs.get("revision"))
         return loaded
+
+DSPARK_HEAD_TYPES = ("rnn", "vanilla")
+
+
+@strict
+class Inkling2DSparkConfig(PreTrainedConfig):
+    r"""
+    The DSpark drafter bundled with the checkpoint: it proposes `block_size` tokens per decoding step from the target's
+    own hidden states, and the target verifies them in one pass (see `docs/dspark.md`).
+
+    Args:
+        block_size (`int`, defaults to 7): tokens drafted per step (the block is the last committed token followed by
+            `block_size - 1` mask tokens; block position k predicts the token k + 1 after it).
+        target_layer_ids (`list[int]`, defaults to `[1, 12, 23, 34, 45]`): decoder layers whose outputs, concatenated,
+            are the drafter's context features (never the last layer).
+        mask_token_id (`int`, defaults to 200064): the token that fills the block after its first position.
+        head_type (`str`, defaults to `"rnn"`): `"rnn"` adds the recurrent Markov head's bias to the base logits, token
+            by token; `"vanilla"` drafts from the base logits alone (all positions in parallel).
+        markov_rank (`int`, defaults to 256): width of the Markov head's token embedding and state.
+        num_draft_layers (`int`, defaults to 2): decoder layers of the drafter.
+        hidden_size / num_attention_heads / num_key_value_heads / head_dim / intermediate_size: their shape (the
+            width must equal the target's: the drafter shares its embedding and lm_head).
+        context_window (`int`, defaults to 1024): committed positions before the block that the drafter attends to.
+        distance_buckets (`int`, defaults to 64): learned attention-bias buckets by distance to a context position
+            (distances beyond share the last bucket).
+        use_confidence_head (`bool`, defaults to `True`): a per-position acceptance predictor; generate() can stop a
+            draft early where it falls below `dspark_confidence_threshold`.
+        rms_norm_eps (`float`, defaults to 1e-6), initializer_range (`float`, defaults to 0.02).
+    """
+
+    model_type = "inkling2_dspark"
+    base_config_key = "dspark_config"
+
+    block_size: int = 7
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int = 200064
+    head_type: str = "rnn"
+    markov_rank: int = 256
+    num_draft_layers: int = 2
+    hidden_size: int = 4608
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 12288
+    context_window: int = 1024
+    distance_buckets: int = 64
+    use_confidence_head: bool = True
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+
+    def __post_init__(self, **kwargs):
+        if self.target_layer_ids is None:
+            self.target_layer_ids = [1, 12, 23, 34, 45]
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.head_type not in DSPARK_HEAD_TYPES:
+            raise ValueError(f"`head_type` must be one of {DSPARK_HEAD_TYPES}, got {self.head_type!r}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DSpark `num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
+                f"`num_key_value_heads` ({self.num_key_value_heads})."
+            )
+        if self.block_size < 1 or self.context_window < 1 or self.distance_buckets < 1 or not self.target_layer_ids:
+            raise ValueError(
+                "DSpark needs a positive `block_size`, `context_window`, `distance_buckets` and target layers."
+            )
+
+    def check_fits_target(self, text_config: "Inkling2TextConfig") -> None:
+        """The drafter reads the target's layers and shares its embedding: their sizes must agree."""
+        last = text_config.num_hidden_layers - 1
+        if any(not 0 <= i < last for i in self.target_layer_ids):
+            raise ValueError(
+                f"DSpark `target_layer_ids` {self.target_layer_ids} must name target layers in [0, {last}) "
+                f"(the target has {text_config.num_hidden_layers} layers; the last one is never tapped)."
+            )
+        if self.hidden_size != text_config.hidden_size:
+            raise ValueError(
+                f"DSpark `hidden_size` ({self.hidden_size}) must equal the target's ({text_config.hidden_size}): the "
+                "drafter shares the target's embedding and lm_head."
+            )
+        if not 0 <= self.mask_token_id < text_config.vocab_size:
+            raise ValueError(f"DSpark `mask_token_id` {self.mask_token_id} is outside the vocabulary.")
 
 
 @strict
@@ -59,6 +146,7 @@ class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
         n_layers_per_attn_res_block (`int`, defaults to 6): layers summed into one attention-residual block.
         mlp_gate_softcap / mlp_up_softcap: softcaps of the experts' SwiGLU.
         final_logit_softcapping (`float`, defaults to 30.0): softcap of the output logits.
+        dspark_config (`Inkling2DSparkConfig` or `dict`, *optional*): the bundled DSpark drafter, if any.
         expert_quantization (`dict`, *optional*): how the routed experts are stored when not in BF16; filled in by
             `from_pretrained` from the checkpoint (see `docs/quantization.md`): `{"formats": [per layer "bf16" |
             "nvfp4" | "mxfp8"], "nvfp4_outer_scales": [NVFP4 outer-scale tensor suffixes, e.g. "scale_2"],
@@ -67,6 +155,10 @@ class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
 
     model_type = "inkling2_text"
     base_config_key = "text_config"
+    # `from_pretrained(..., tp_plan="auto")` under torchrun: attention by heads, experts in blocks (`tensor_parallel`)
+    base_model_tp_plan = TEXT_MODEL_TP_PLAN
+    base_model_ep_plan = TEXT_MODEL_EP_PLAN
+    sub_configs_defaults = {"dspark_config": SubConfigSpec(Inkling2DSparkConfig, optional=True)}
     keys_to_ignore_at_inference = ["past_key_values"]
     attribute_map = {
         "sliding_window": "sliding_window_size",
@@ -115,6 +207,7 @@ class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
     scoring_func: str = "sigmoid"
     use_cache: bool = True
     expert_quantization: dict | None = None
+    dspark_config: Inkling2DSparkConfig | dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.layer_types is None:
@@ -165,6 +258,8 @@ class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
                     f"`expert_quantization['formats']` must give one of {EXPERT_FORMATS} per layer "
                     f"({self.num_hidden_layers} layers), got {formats}."
                 )
+        if self.dspark_config is not None:
+            self.dspark_config.check_fits_target(self)
 
     def expert_format(self, layer_idx: int) -> str:
         """How layer `layer_idx` stores its routed experts: "bf16", "nvfp4" or "mxfp8"."""
@@ -245,14 +340,27 @@ class Inkling2Config(ReadsExpertStorage, PreTrainedConfig):
         text_config (`Inkling2TextConfig` or `dict`, *optional*): the decoder.
         vision_config (`Inkling2VisionConfig` or `dict`, *optional*): the ViT.
         image_token_id (`int`, defaults to 200054): the placeholder `<|unused_200054|>`, one per image feature.
+        dspark_config (`Inkling2DSparkConfig` or `dict`, *optional*): the bundled DSpark drafter, if any; mirrored
+            into `text_config.dspark_config` so that the text decoder loaded alone keeps it.
     """
 
     model_type = "inkling2"
-    sub_configs_defaults = {"text_config": Inkling2TextConfig, "vision_config": Inkling2VisionConfig}
+    sub_configs_defaults = {
+        "text_config": Inkling2TextConfig,
+        "vision_config": Inkling2VisionConfig,
+        "dspark_config": SubConfigSpec(Inkling2DSparkConfig, optional=True),
+    }
 
     text_config: Inkling2TextConfig | dict | None = None
     vision_config: Inkling2VisionConfig | dict | None = None
     image_token_id: int = 200054
+    dspark_config: Inkling2DSparkConfig | dict | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.dspark_config is None:
+            self.dspark_config = self.text_config.dspark_config
+        self.text_config.dspark_config = self.dspark_config
 
     def validate_architecture(self):
         if self.vision_config.text_hidden_size != self.text_config.hidden_size:
@@ -262,4 +370,4 @@ class Inkling2Config(ReadsExpertStorage, PreTrainedConfig):
             )
 
 
-__all__ = ["Inkling2Config", "Inkling2TextConfig", "Inkling2VisionConfig"]
+__all__ = ["Inkling2Config", "Inkling2DSparkConfig", "Inkling2TextConfig", "Inkling2VisionConfig"]

@@ -16,6 +16,7 @@ from .cache_inkling2 import Inkling2Cache
 from .configuration_inkling2 import Inkling2Config
 from .modeling_inkling2_text import Inkling2LanguageModelingMixin, Inkling2PreTrainedModel, Inkling2TextModel
 from .modeling_inkling2_vision import Inkling2VisionModel
+from .tensor_parallel import LM_HEAD_TP_PLAN
 
 
 @dataclass
@@ -67,6 +68,17 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
         mask = placeholders.unsqueeze(-1).expand_as(inputs_embeds)
         return inputs_embeds.masked_scatter(mask, image_features.to(inputs_embeds.device, inputs_embeds.dtype))
 
+    def prompt_embeddings(self, input_ids, pixel_values=None, image_grid_thw=None, inputs_embeds=None):
+        """(input embeddings with the image features at their placeholders, the image features or None)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is None:
+            return inputs_embeds, None
+        if image_grid_thw is None:
+            raise ValueError("`pixel_values` come with `image_grid_thw` (both are outputs of the image processor).")
+        image_features = self.get_image_features(pixel_values, image_grid_thw)
+        return self.place_image_features(input_ids, inputs_embeds, image_features), image_features
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -81,15 +93,9 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
     ) -> Inkling2ModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings()(input_ids)
-        image_features = None
-        if pixel_values is not None:
-            if image_grid_thw is None:
-                raise ValueError("`pixel_values` come with `image_grid_thw` (both are outputs of the image processor).")
-            image_features = self.get_image_features(pixel_values, image_grid_thw)
-            inputs_embeds = self.place_image_features(input_ids, inputs_embeds, image_features)
-        elif input_ids is not None and past_key_values is None and (input_ids == self.config.image_token_id).any():
+        inputs_embeds, image_features = self.prompt_embeddings(input_ids, pixel_values, image_grid_thw, inputs_embeds)
+        placeholders = input_ids is not None and (input_ids == self.config.image_token_id).any()
+        if image_features is None and past_key_values is None and placeholders:
             raise ValueError(
                 "The text has image placeholder tokens but no `pixel_values` were given: pass the images too."
             )
@@ -112,16 +118,21 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
 
 class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inkling2LanguageModelingMixin, GenerationMixin):
     _tied_weights_keys = {}
+    _tp_plan = LM_HEAD_TP_PLAN
     _keys_to_ignore_on_load_unexpected = [r"^mtp\."]
 
     def __init__(self, config: Inkling2Config):
         super().__init__(config)
         self.model = Inkling2Model(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.init_dspark(config)
         self.post_init()
 
     def get_image_features(self, pixel_values, image_grid_thw):
         return self.model.get_image_features(pixel_values, image_grid_thw)
+
+    def dspark_prompt_embeddings(self, input_ids, pixel_values=None, image_grid_thw=None, **model_kwargs):
+        return self.model.prompt_embeddings(input_ids, pixel_values, image_grid_thw)[0]
 
     def forward(
         self,

@@ -21,32 +21,21 @@ from transformers.utils import logging
 from .attention import get_attention_backend
 from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
+from .dspark_checkpoints import find_mtp_file, load_mtp_drafter
 from .experts import Inkling2Experts, Inkling2QuantizedExperts, softcap
+from .generation_dspark import DSparkOptions, dspark_decoding_method
+from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
+from .norms import Inkling2RMSNorm, rms_normalize
 from .quantized_checkpoints import attach_expert_quantization, validate_quantized_experts
+from .tensor_parallel import LM_HEAD_TP_PLAN, local_tensor
 
 logger = logging.get_logger(__name__)
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalization without weight, in fp32."""
-    x = x.float()
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
 def l2_clip(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Scales each vector (last dim) down to L2 norm `threshold` when longer; in fp32."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     return x * (threshold / (norm + 1e-6)).clamp(max=1.0)
-
-
-class Inkling2RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms_normalize(x, self.eps)).to(x.dtype)
 
 
 class Inkling2ScaledL2Clip(nn.Module):
@@ -58,7 +47,7 @@ class Inkling2ScaledL2Clip(nn.Module):
         self.threshold = threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return l2_clip(x.float() * self.scale.float(), self.threshold)
+        return l2_clip(x.float() * local_tensor(self.scale).float(), self.threshold)
 
 
 class Inkling2NormedEmbedding(nn.Embedding):
@@ -120,14 +109,16 @@ class Inkling2ShortConvolution(nn.Module):
         x32 = x.float()
         inputs = zero_padding(x32, token_mask).transpose(1, 2)
         context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx)
-        convolved = F.conv1d(context, self.conv1d.weight.float(), groups=context.shape[1]).transpose(1, 2)
+        weight = local_tensor(self.conv1d.weight).float()  # this rank's channels under tensor parallelism
+        convolved = F.conv1d(context, weight, groups=context.shape[1]).transpose(1, 2)
         return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)
 
 
 class Inkling2DynamicShortConvolution(nn.Module):
     """Causal convolution whose taps are static per-channel weights plus per-token taps projected from the layer
     input (one set per key/value head): `(conv(x) + x) / sqrt(2k + 1)`. `static_weight[lag]` weights the token
-    `lag` steps back. Used on keys and values of the full-attention layers."""
+    `lag` steps back. Used on keys and values of the full-attention layers. Under tensor parallelism it holds the
+    channels and taps of this rank's kv heads; the head count is read from the projected taps."""
 
     def __init__(self, channels: int, input_size: int, num_heads: int, kernel_size: int, layer_idx: int, conv_idx: int):
         super().__init__()
@@ -143,8 +134,9 @@ class Inkling2DynamicShortConvolution(nn.Module):
         context = convolution_context(inputs, k, cache, self.layer_idx, self.conv_idx)
         # lagged[b, t, c, lag] = input of token t - lag
         lagged = context.unfold(-1, k, 1).flip(-1).transpose(1, 2)
-        per_token_taps = self.weight_proj(tap_input).float().view(batch, length, self.num_heads, 1, k)
-        static_taps = self.static_weight.float().T.reshape(self.num_heads, channels // self.num_heads, k)
+        per_token_taps = self.weight_proj(tap_input).float().view(batch, length, -1, 1, k)
+        heads = per_token_taps.shape[2]
+        static_taps = local_tensor(self.static_weight).float().T.reshape(heads, channels // heads, k)
         taps = (static_taps + per_token_taps).reshape(batch, length, channels, k)
         convolved = (lagged * taps).sum(-1)
         return ((convolved + x32) / math.sqrt(2 * k + 1)).to(x.dtype)
@@ -160,6 +152,9 @@ class Inkling2Attention(nn.Module):
     convolution and an RMS norm; relative states are scaled and clipped. Full-attention layers convolve keys and
     values dynamically, take separate q/k/v inputs and scale queries and relative states up logarithmically with
     the position. The output is gated by `sigmoid(gate_proj(x))` before `o_proj`.
+
+    Under tensor parallelism (`tensor_parallel`) a rank holds a block of query heads and their kv heads: activations
+    are reshaped with `-1` heads, so `num_heads` / `num_key_value_heads` stay the model's totals.
     """
 
     def __init__(self, config: Inkling2TextConfig, layer_idx: int):
@@ -220,8 +215,8 @@ class Inkling2Attention(nn.Module):
             keys = self.k_sconv(self.k_proj(key_input), key_input, token_mask, cache)
             values = self.v_sconv(self.v_proj(value_input), value_input, token_mask, cache)
 
-        queries = self.q_l2_clip(self.q_proj(query_input).view(batch, length, self.num_heads, self.head_dim))
-        relative_states = self.rel_l2_clip(self.r_proj(query_input).view(batch, length, self.num_heads, -1))
+        queries = self.q_l2_clip(self.q_proj(query_input).view(batch, length, -1, self.head_dim))
+        relative_states = self.rel_l2_clip(self.r_proj(query_input).view(batch, length, -1, self.config.d_rel))
         if not self.is_sliding:
             tau = self.log_scale(position_ids)
             queries, relative_states = queries * tau, relative_states * tau
@@ -445,6 +440,11 @@ class Inkling2PreTrainedModel(PreTrainedModel):
             kwargs["config"] = copy.deepcopy(kwargs["config"])
             attach_expert_quantization(kwargs["config"], args[0], kwargs.get("revision"))
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        mtp_file = find_mtp_file(args[0], kwargs.get("revision")) if args and hasattr(model, "dspark") else None
+        if mtp_file is not None:
+            # the drafter ships separately: loaded, or disabled with a warning, never an error
+            load_mtp_drafter(model, mtp_file)
+            info["missing_keys"] = {k for k in info.get("missing_keys") or () if not k.startswith("dspark.")}
         if not allow_incomplete_checkpoint:
             raise_on_incomplete_load(cls.__name__, info)
         validate_quantized_experts(model)
@@ -479,6 +479,11 @@ class Inkling2PreTrainedModel(PreTrainedModel):
             module.static_weight.zero_()
         elif isinstance(module, Inkling2BlockAttentionResidual):
             module.query.zero_()
+        elif isinstance(module, Inkling2DSparkAttention):
+            module.distance_bias.zero_()
+            module.block_bias.zero_()
+        elif isinstance(module, Inkling2DSparkDrafter):
+            module.block_position_embedding.normal_(0.0, std)
 
 
 class Inkling2TextModel(Inkling2PreTrainedModel):
@@ -596,8 +601,49 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
 
 
 class Inkling2LanguageModelingMixin:
-    """What every Inkling2 model with an `lm_head` shares: the logits and the cache that generate() uses.
-    Listed before `GenerationMixin` in the bases, whose cache preparation it specializes."""
+    """What every Inkling2 model with an `lm_head` shares: the logits, the cache that generate() uses, and the
+    bundled DSpark drafter with `generate(dspark=True)`. Listed before `GenerationMixin` in the bases, whose cache
+    preparation and `generate` it specializes."""
+
+    def init_dspark(self, config: Inkling2TextConfig) -> None:
+        """The drafter when the config describes one (`dspark_config`); it reads this model's hidden states and
+        shares its embedding and lm_head."""
+        text_config = config.get_text_config()
+        dspark_config = text_config.dspark_config
+        self.dspark = None if dspark_config is None else Inkling2DSparkDrafter(dspark_config, text_config.vocab_size)
+
+    def dspark_prompt_embeddings(self, input_ids: torch.LongTensor, **model_kwargs) -> torch.Tensor:
+        """The prompt's input embeddings as the first forward would build them (images placed, where there are any)."""
+        return self.get_input_embeddings()(input_ids)
+
+    def generate(
+        self,
+        inputs=None,
+        generation_config=None,
+        *args,
+        dspark: bool | None = None,
+        draft_sample_method: str | None = None,
+        dspark_confidence_threshold: float | None = None,
+        **kwargs,
+    ):
+        """`generate()` as usual; `dspark=True` (or `dspark: true` in the generation config) decodes with the bundled
+        DSpark drafter: same output as without it (token for token when greedy, the same distribution when sampling),
+        several tokens per target pass. `draft_sample_method` ("probabilistic" or "greedy") and
+        `dspark_confidence_threshold` tune the drafts; `return_dict_in_generate=True` adds acceptance statistics. See
+        `docs/dspark.md`."""
+        settings = generation_config if generation_config is not None else self.generation_config
+        if not (dspark if dspark is not None else getattr(settings, "dspark", False)):
+            return super().generate(inputs, generation_config, *args, **kwargs)
+        for conflicting in ("custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
+            if kwargs.get(conflicting) is not None:
+                raise ValueError(f"`dspark=True` is its own decoding method; drop `{conflicting}`.")
+        if draft_sample_method is None:
+            draft_sample_method = getattr(settings, "draft_sample_method", None) or "probabilistic"
+        if dspark_confidence_threshold is None:
+            dspark_confidence_threshold = getattr(settings, "dspark_confidence_threshold", None)
+        options = DSparkOptions(draft_sample_method, dspark_confidence_threshold)
+        decoding = dspark_decoding_method(options, kwargs.get("streamer"))
+        return super().generate(inputs, generation_config, *args, custom_generate=decoding, **kwargs)
 
     def compute_logits(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
         """lm_head in fp32, softcap, then only the real (unpadded) vocabulary."""
@@ -634,12 +680,14 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
     config: Inkling2TextConfig
     _tied_weights_keys = {}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _tp_plan = LM_HEAD_TP_PLAN
     _keys_to_ignore_on_load_unexpected = [r"^model\.visual\.", r"^model\.vision_tower\.", r"^mtp\."]
 
     def __init__(self, config: Inkling2TextConfig):
         super().__init__(config)
         self.model = Inkling2TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_dspark(config)
         self.post_init()
 
     def forward(

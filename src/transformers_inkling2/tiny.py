@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from .configuration_inkling2 import Inkling2Config, Inkling2TextConfig
+from .configuration_inkling2 import Inkling2Config, Inkling2DSparkConfig, Inkling2TextConfig
 
 TINY_MODEL_LABEL = "embedded tiny Inkling2 (real architecture and tokenizer, RANDOM weights: its text is noise)"
 
@@ -38,6 +38,24 @@ def tiny_text_config(**overrides) -> Inkling2TextConfig:
     )
     fields.update(overrides)
     return Inkling2TextConfig(**fields)
+
+
+def tiny_dspark_config(**overrides) -> Inkling2DSparkConfig:
+    """A DSpark drafter for the tiny text decoder: one layer of the tiny attention shape, Markov rank 16."""
+    fields = dict(
+        target_layer_ids=[1, 3, 4],
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        markov_rank=16,
+        num_draft_layers=1,
+        context_window=16,
+        distance_buckets=8,
+    )
+    fields.update(overrides)
+    return Inkling2DSparkConfig(**fields)
 
 
 def tiny_config(**text_overrides) -> Inkling2Config:
@@ -70,11 +88,15 @@ def build_tiny_causal_lm(seed: int = 0, **config_overrides):
     return randomize_(model, seed).eval()
 
 
-def build_tiny_model(seed: int = 0, **text_overrides):
-    """The embedded multimodal model (`Inkling2ForConditionalGeneration`), deterministic for a given seed."""
+def build_tiny_model(seed: int = 0, dspark: bool = False, **text_overrides):
+    """The embedded multimodal model (`Inkling2ForConditionalGeneration`), deterministic for a given seed; with a
+    (random) DSpark drafter when `dspark`."""
     from .modeling_inkling2 import Inkling2ForConditionalGeneration
 
-    return randomize_(Inkling2ForConditionalGeneration(tiny_config(**text_overrides)), seed).eval()
+    config = tiny_config(**text_overrides)
+    if dspark:
+        config.dspark_config = config.text_config.dspark_config = tiny_dspark_config()
+    return randomize_(Inkling2ForConditionalGeneration(config), seed).eval()
 
 
 def build_tiny_processor():

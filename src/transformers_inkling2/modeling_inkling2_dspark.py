@@ -1,0 +1,243 @@
+"""The DSpark drafter: a small block decoder that reads the target's own hidden states and proposes
+`block_size` tokens per decoding step, which the target then verifies in one pass (`generation_dspark`).
+
+Data path of one draft:
+1. Context features: the outputs of the target's `target_layer_ids` at every committed position, concatenated,
+   projected by `fc` and RMS-normalized. Each drafter layer turns them into keys/values once and keeps them in an
+   `Inkling2DSparkContextCache` (the last `context_window + 8` positions).
+2. The block `[last committed token, mask x (block_size - 1)]`, embedded with the target's embedding plus a learned
+   per-position embedding, goes through `num_draft_layers` decoder layers (`Inkling2DSparkLayer`). Their attention
+   takes queries from the block and keys/values from the context and the block: every block position sees the whole
+   block (the block is not causal) and the committed positions less than `context_window` before it, with a learned
+   per-head bias by distance for the context and by (query, key) slot for the block. Keys and queries are
+   RMS-normalized per head; a dense SwiGLU MLP follows.
+3. Base logits `U_k = lm_head(h_k)` with the target's head; the recurrent Markov head (`head_type="rnn"`) then walks
+   the block position by position and adds a low-rank bias that depends on the token drafted just before, so that
+   the drafts of one block agree with each other. The confidence head predicts whether draft k will be accepted.
+
+The drafter shares the target's embedding and lm_head: they are passed in, never owned, so the checkpoint stores
+them once. Its own weights live under `dspark.` in our checkpoints (`dspark_checkpoints` maps the original
+`mtp.safetensors`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, keep_last, shift_rows_right
+from .configuration_inkling2 import Inkling2DSparkConfig
+from .norms import Inkling2RMSNorm
+
+HIDDEN = float("-inf")
+
+
+class Inkling2DSparkContextCache:
+    """Per drafter layer, the keys and values ([batch, kv_heads, time, head_dim]) of the latest committed positions'
+    context features. Positions are the target cache's physical positions, so the target's 2-D padding mask says
+    which ones are real; rows move right together with the target cache (`shift_rows_right`)."""
+
+    def __init__(self, num_layers: int, context_window: int, rollback_margin: int = DEFAULT_ROLLBACK_MARGIN):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.max_positions = context_window + rollback_margin
+        self.seen_tokens = 0
+
+    @property
+    def held(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    @property
+    def first_position(self) -> int:
+        return self.seen_tokens - self.held
+
+    def append(self, layer_keys_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for i, (keys, values) in enumerate(layer_keys_values):
+            self.keys[i] = keep_last(self.keys[i], keys, 2, self.max_positions)
+            self.values[i] = keep_last(self.values[i], values, 2, self.max_positions)
+        self.seen_tokens += layer_keys_values[0][0].shape[2]
+
+    def crop(self, count: int) -> None:
+        """Drops the newest `count` positions."""
+        if count <= 0:
+            return
+        self.keys = [k[:, :, : k.shape[2] - count] for k in self.keys]
+        self.values = [v[:, :, : v.shape[2] - count] for v in self.values]
+        self.seen_tokens -= count
+
+    def shift_rows_right(self, shifts: torch.Tensor) -> None:
+        self.keys = [shift_rows_right(k, shifts, 2) for k in self.keys]
+        self.values = [shift_rows_right(v, shifts, 2) for v in self.values]
+
+
+class Inkling2DSparkAttention(nn.Module):
+    """Block queries over [context; block] keys, with learned additive biases (see the module docstring)."""
+
+    def __init__(self, config: Inkling2DSparkConfig):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.block_size = config.head_dim, config.block_size
+        hidden, kv_width = config.hidden_size, config.num_key_value_heads * config.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = Inkling2RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = Inkling2RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.distance_bias = nn.Parameter(torch.zeros(self.num_heads, config.distance_buckets))
+        self.block_bias = nn.Parameter(torch.zeros(self.num_heads, config.block_size, config.block_size))
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, T, hidden] -> keys, values [batch, kv_heads, T, head_dim]."""
+        batch, length, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).view(batch, length, -1, self.head_dim)).transpose(1, 2)
+        values = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        return keys, values
+
+    def forward(self, x, context_keys, context_values, context_view: "ContextView") -> torch.Tensor:
+        """x: [batch, blocks * block_size, hidden]; context keys/values [batch, kv_heads, C, head_dim]."""
+        batch, queries, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, queries, -1, self.head_dim)).transpose(1, 2)
+        block_keys, block_values = self.keys_values(x)
+        keys = torch.cat([context_keys, block_keys], dim=2)
+        values = torch.cat([context_values, block_values], dim=2)
+        context_bias = self.distance_bias[:, context_view.buckets].masked_fill(~context_view.visible, HIDDEN)
+        num_blocks = queries // self.block_size
+        same_block = torch.eye(num_blocks, dtype=torch.bool, device=x.device)
+        same_block = same_block.repeat_interleave(self.block_size, 0).repeat_interleave(self.block_size, 1)
+        block_bias = self.block_bias.repeat(1, num_blocks, num_blocks).masked_fill(~same_block, HIDDEN)
+        bias = torch.cat([context_bias, block_bias.expand(batch, -1, -1, -1)], dim=-1).to(q.dtype)
+        output = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
+        return self.o_proj(output.transpose(1, 2).reshape(batch, queries, -1))
+
+
+class ContextView:
+    """Which context positions every block query sees, and at which distance bucket; shared by the drafter layers.
+
+    `buckets` [Q, C]: `min(query position - key position, buckets) - 1`; `visible` [batch, 1, Q, C]: the key is real
+    (padding mask), before the query's block, and less than `context_window` before the block's anchor."""
+
+    def __init__(self, anchor_positions, key_positions, key_is_real, block_size: int, window: int, num_buckets: int):
+        query_positions = (
+            anchor_positions[:, None] + torch.arange(block_size, device=anchor_positions.device)
+        ).flatten()
+        query_anchors = anchor_positions.repeat_interleave(block_size)
+        distance = query_positions[:, None] - key_positions[None, :]
+        self.buckets = distance.clamp(1, num_buckets) - 1
+        anchor_distance = query_anchors[:, None] - key_positions[None, :]
+        in_reach = (anchor_distance > 0) & (anchor_distance <= window)
+        self.visible = (in_reach[None] & key_is_real[:, None, :])[:, None]
+
+
+class Inkling2DSparkMLP(nn.Module):
+    def __init__(self, config: Inkling2DSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Inkling2DSparkLayer(nn.Module):
+    """Pre-norm attention and MLP with plain residuals."""
+
+    def __init__(self, config: Inkling2DSparkConfig):
+        super().__init__()
+        self.input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Inkling2DSparkAttention(config)
+        self.post_attention_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Inkling2DSparkMLP(config)
+
+    def forward(self, x, context_keys, context_values, context_view: ContextView) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_keys, context_values, context_view)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Inkling2DSparkMarkovHead(nn.Module):
+    """The recurrent Markov head: a state of width `rank` that walks the block, fed the token drafted before each
+    position, and a low-rank logit bias out of it.
+
+    `e = embed[prev]`, `[g, c, o] = joint_proj([s; e; h])`, `s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c)`,
+    `bias = out_proj(tanh(o))`."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=True)
+        self.out_proj = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, state, previous_ids, hidden):
+        """One position: returns (next state, logit bias [.., vocab], embedding of the previous token)."""
+        embedded = self.embed(previous_ids)
+        gate, candidate, output = self.joint_proj(torch.cat([state, embedded, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(candidate)
+        return state, self.out_proj(torch.tanh(output)), embedded
+
+
+class Inkling2DSparkConfidenceHead(nn.Module):
+    """Probability that the draft at a position is accepted, from its hidden state (and the previous token's Markov
+    embedding with the RNN head)."""
+
+    def __init__(self, input_size: int):
+        super().__init__()
+        self.proj = nn.Linear(input_size, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(features).squeeze(-1).float())
+
+
+class Inkling2DSparkDrafter(nn.Module):
+    """The drafter's own weights; see the module docstring. `embed_tokens` and `compute_logits` are the target's."""
+
+    def __init__(self, config: Inkling2DSparkConfig, vocab_size: int):
+        super().__init__()
+        self.config = config
+        width = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * width, width, bias=False)
+        self.context_norm = Inkling2RMSNorm(width, config.rms_norm_eps)
+        self.block_position_embedding = nn.Parameter(torch.zeros(config.block_size, width))
+        self.layers = nn.ModuleList(Inkling2DSparkLayer(config) for _ in range(config.num_draft_layers))
+        self.norm = Inkling2RMSNorm(width, config.rms_norm_eps)
+        use_markov = config.head_type == "rnn"
+        self.markov_head = Inkling2DSparkMarkovHead(vocab_size, config.markov_rank, width) if use_markov else None
+        confidence_width = width + (config.markov_rank if use_markov else 0)
+        self.confidence_head = Inkling2DSparkConfidenceHead(confidence_width) if config.use_confidence_head else None
+
+    def context_features(self, target_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The target's `output_hidden_states` (embeddings first) -> context features [batch, T, hidden]."""
+        tapped = torch.cat([target_hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+        return self.context_norm(self.fc(tapped.to(self.fc.weight.dtype)))
+
+    def context_keys_values(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [layer.self_attn.keys_values(features) for layer in self.layers]
+
+    def block_hidden_states(self, block_embeddings, context_keys, context_values, context_view) -> torch.Tensor:
+        """block_embeddings [batch, blocks, block_size, hidden] (the target's embedding of the block tokens) -> the
+        drafter's final hidden states [batch, blocks * block_size, hidden]."""
+        x = (block_embeddings.to(self.block_position_embedding.dtype) + self.block_position_embedding).flatten(1, 2)
+        for layer, keys, values in zip(self.layers, context_keys, context_values):
+            x = layer(x, keys, values, context_view)
+        return self.norm(x)
+
+    def head_step(self, state, previous_ids, hidden, base_logits):
+        """Position k of the block: (next Markov state, draft logits, acceptance confidence or None).
+        `previous_ids` is the token before position k (the anchor for k = 0, else draft k - 1)."""
+        embedded = None
+        logits = base_logits
+        if self.markov_head is not None:
+            state, bias, embedded = self.markov_head(state, previous_ids, hidden)
+            logits = base_logits + bias[..., : base_logits.shape[-1]].float()
+        confidence = None
+        if self.confidence_head is not None:
+            confidence = self.confidence_head(hidden if embedded is None else torch.cat([hidden, embedded], dim=-1))
+        return state, logits, confidence
+
+    def initial_state(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(rows, self.config.markov_rank)
+
+
+__all__ = ["Inkling2DSparkDrafter", "Inkling2DSparkContextCache"]

@@ -45,11 +45,11 @@ def load(model_class, folder, **kwargs):
         return model_class.from_pretrained(folder, **kwargs)
 
 
-def greedy(model):
+def greedy(model, **kwargs):
     input_ids, attention_mask = batch()
     return model.generate(
         input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-        pad_token_id=0,
+        pad_token_id=0, **kwargs,
     )  # fmt: skip
 
 
@@ -147,6 +147,8 @@ def check(name: str, folder: Path, report: dict, training: bool = False, attenti
         "logits": relative_error(logits(split), expected),
         "greedy_equal": torch.equal(tokens, expected_tokens),
         "greedy_tokens": tokens[:, -NEW_TOKENS:].tolist(),
+        # the drafter is replicated; every rank sees the same all-reduced logits, so all accept the same drafts
+        "dspark_greedy_equal": torch.equal(greedy(split, dspark=True), expected_tokens),
     }
     if name == "bf16":  # what `inkling2 plan` counts: the model in BF16 (fp32-kept modules in fp32)
         result["held_bytes_bf16"] = held_bytes(load(Inkling2ForCausalLM, folder, tp_plan="auto", dtype=torch.bfloat16))

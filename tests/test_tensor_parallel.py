@@ -2,7 +2,8 @@
 single-process model loaded from the same checkpoint, and the clear error for a size that does not split the model.
 
 One `torchrun` launch runs `tensor_parallel_worker.py`, which checks BF16 experts, quantized (NVFP4 + MXFP8) experts,
-transformers' expert-parallel route and the multimodal model; this file reads its report.
+greedy DSpark decoding (the checkpoints carry a drafter), transformers' expert-parallel route and the multimodal
+model; this file reads its report.
 """
 
 import json
@@ -25,7 +26,7 @@ from transformers_inkling2.tensor_parallel import (
     valid_parallel_sizes,
     validate_parallel_size,
 )
-from transformers_inkling2.tiny import randomize_, tiny_config, tiny_text_config
+from transformers_inkling2.tiny import randomize_, tiny_config, tiny_dspark_config, tiny_text_config
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 RANKS = 2
@@ -38,10 +39,14 @@ TEXT = dict(
 TOLERANCE = 1e-4  # relative, fp32
 
 
+def text_config_with_drafter():
+    return tiny_text_config(**TEXT, dspark_config=tiny_dspark_config(mask_token_id=510))
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor_parallel")
-    randomize_(Inkling2ForCausalLM(tiny_text_config(**TEXT)), seed=1).save_pretrained(root / "bf16")
+    randomize_(Inkling2ForCausalLM(text_config_with_drafter()), seed=1).save_pretrained(root / "bf16")
     quantize_checkpoint(root / "bf16", root / "quantized", mxfp8_from=3)  # layers 0-2 NVFP4, 3-5 MXFP8
     randomize_(Inkling2ForConditionalGeneration(tiny_config(**TEXT)), seed=2).save_pretrained(root / "multimodal")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
@@ -58,6 +63,7 @@ def test_split_model_gives_the_single_process_logits_and_greedy_generation(repor
     for rank in report:
         assert rank[checkpoint]["logits"] < TOLERANCE
         assert rank[checkpoint]["greedy_equal"]
+        assert rank[checkpoint]["dspark_greedy_equal"]
     assert report[0][checkpoint]["greedy_tokens"] == report[1][checkpoint]["greedy_tokens"]
 
 
@@ -104,7 +110,7 @@ def test_fast_attention_backend_and_multimodal_model_work_on_local_heads(report)
 
 def test_memory_plan_counts_what_each_rank_holds(report):
     """`inkling2 plan --tp 2` splits the weights the way the plan does (its numbers are in docs/parallel.md)."""
-    planned = memory_plan(tiny_text_config(**TEXT), "bf16", tp=RANKS, context=1).weights
+    planned = memory_plan(text_config_with_drafter(), "bf16", tp=RANKS, context=1).weights
     for rank in report:
         assert rank["bf16"]["held_bytes_bf16"] == planned
 

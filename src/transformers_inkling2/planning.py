@@ -84,7 +84,9 @@ def weight_bytes(config: Inkling2Config | Inkling2TextConfig, variant: str, tp: 
         else:
             size = 4 if any(pattern in name for pattern in keep_fp32) else 2
         ranks = 1
-        if ".mlp.experts." in name:
+        if name.startswith("dspark."):  # the DSpark drafter is replicated
+            pass
+        elif ".mlp.experts." in name:
             ranks = ep
         elif SPLIT_BY_HEADS.search(name) or name.startswith("lm_head"):
             ranks = tp

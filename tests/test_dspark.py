@@ -21,22 +21,12 @@ from transformers_inkling2 import (
 )
 from transformers_inkling2 import generation_dspark as dspark_generation
 from transformers_inkling2.cache_inkling2 import shift_rows_right
-from transformers_inkling2.tiny import randomize_
+from transformers_inkling2.tiny import randomize_, tiny_dspark_config
 
 # Three tapped layers of the 12; a context window (16) longer than the target's sliding window (8).
-DRAFTER = dict(
-    target_layer_ids=[1, 5, 9],
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    markov_rank=16,
-    num_draft_layers=2,
-    context_window=16,
-    distance_buckets=8,
-    mask_token_id=498,
-)
+DRAFTER = tiny_dspark_config(
+    target_layer_ids=[1, 5, 9], intermediate_size=96, num_draft_layers=2, mask_token_id=498
+).to_dict()
 
 
 def build(seed=3, drafter=None, **overrides):
@@ -50,16 +40,7 @@ def model():
 
 
 def dspark_generate(model, input_ids, attention_mask, new_tokens, **kwargs):
-    return model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=kwargs.pop("eos_token_id", None),
-        pad_token_id=0,
-        dspark=True,
-        **kwargs,
-    )
+    return greedy_generate(model, input_ids, attention_mask, new_tokens, dspark=True, **kwargs)
 
 
 @pytest.mark.parametrize("length, pad", [(5, 2), (21, 5), (40, 11)], ids=["short", "past-window", "past-context"])
@@ -114,7 +95,16 @@ def test_eos_and_max_new_tokens_inside_a_step(model, monkeypatch):
         input_ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
     plant_drafts(monkeypatch, reference, attention_mask, perfect=True)
-    assert torch.equal(dspark_generate(model, input_ids, attention_mask, 30, eos_token_id=eos), expected)
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        dspark=True,
+    )
+    assert torch.equal(out, expected)
     # 13 = 1 (prefill) + 8 + 4: the budget ends four tokens into the second step
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 13), reference[:, : 12 + 13])
 

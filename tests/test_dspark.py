@@ -109,20 +109,23 @@ def test_eos_and_max_new_tokens_inside_a_step(model, monkeypatch):
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 13), reference[:, : 12 + 13])
 
 
+class Collect:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.parts = []
+
+    def put(self, value):
+        self.parts.append(value.flatten())
+
+    def end(self):
+        self.parts.append(None)
+
+
 def test_streamer_and_statistics(model, monkeypatch):
     input_ids = left_padded_batch(seed=9, length=10, pad=0)[0][:1]
     reference = greedy_generate(model, input_ids, torch.ones_like(input_ids), new_tokens=17)
     plant_drafts(monkeypatch, reference, torch.ones_like(input_ids), perfect=True)
-
-    class Collect:
-        def __init__(self):
-            self.parts = []
-
-        def put(self, value):
-            self.parts.append(value.flatten())
-
-        def end(self):
-            self.parts.append(None)
 
     streamer = Collect()
     out = dspark_generate(model, input_ids, None, 17, streamer=streamer, return_dict_in_generate=True)
@@ -239,6 +242,8 @@ def test_clear_errors(model):
         plain.generate(input_ids, max_new_tokens=3, dspark=True)
     with pytest.raises(ValueError, match="beam search"):
         model.generate(input_ids, max_new_tokens=3, num_beams=2, dspark=True)
+    with pytest.raises(ValueError, match="Streaming takes one sequence"):
+        model.generate(input_ids, max_new_tokens=3, dspark=True, streamer=Collect())
     with pytest.raises(ValueError, match="draft_sample_method"):
         model.generate(input_ids, max_new_tokens=3, dspark=True, draft_sample_method="top")
     with pytest.raises(StrictDataclassClassValidationError, match="target_layer_ids"):

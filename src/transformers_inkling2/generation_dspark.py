@@ -321,6 +321,15 @@ def dspark_decoding(
 ):
     """The decoding loop (called by `generate`; see the module docstring)."""
     check_dspark_request(model, generation_config)
+    if input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "DSpark decoding starts from `input_ids` (the drafter embeds tokens); pass them, not `inputs_embeds`."
+        )
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            "Streaming takes one sequence (as transformers' streamers do); DSpark got a batch of "
+            f"{input_ids.shape[0]}. Stream batch 1, or drop the streamer."
+        )
     cache = model_kwargs.get("past_key_values")
     if not isinstance(cache, Inkling2Cache) or cache.get_seq_length() != 0:
         raise ValueError("DSpark decoding starts from an empty Inkling2Cache (let generate() create it).")

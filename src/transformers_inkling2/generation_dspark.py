@@ -112,6 +112,8 @@ class DSparkDecoder:
         self.block_size = self.drafter.config.block_size
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
+        pad = generation_config._pad_token_tensor
+        self.pad_token_id = 0 if pad is None else int(pad)
         self.context = Inkling2DSparkContextCache(len(self.drafter.layers), self.drafter.config.context_window)
         self.step_count = 0
         self.accepted_counts: list[int] = []
@@ -267,7 +269,8 @@ class DSparkDecoder:
             self.cache.shift_rows_right(shifts)
             self.context.shift_rows_right(shifts)
             self.padding_mask = shift_rows_right(self.padding_mask, shifts, 1)
-            self.tokens = shift_rows_right(self.tokens, shifts, 1)
+            # the prefix the logits processors see: new padding slots hold the pad token, as left padding does
+            self.tokens = shift_rows_right(self.tokens, shifts, 1).masked_fill(~self.padding_mask, self.pad_token_id)
             self.has_padding = True
         self.real_lengths = self.real_lengths + torch.tensor(kept, device=candidates.device)
 

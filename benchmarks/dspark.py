@@ -9,7 +9,8 @@ only the first part; prompts come from the held-out topics.
 1. Target: 8 layers (one full-attention layer), hidden 512, 8 / 2 heads of 64, sliding window 256, 16 experts
    (top-2) of width 512; trained from scratch in fp32 (TF32 matmuls) with AdamW, windows of 256 tokens.
 2. Drafter: `default_dspark_config` (block 7, two layers, RNN Markov head, confidence head), distilled with
-   `train_dspark` from the frozen bf16 target (the same code as `inkling2 train-dspark`).
+   `train_dspark` from the frozen bf16 target (the same code as `inkling2 train-dspark`), on corpus windows or, with
+   `--self-distill N`, on N windows whose second half the target writes itself.
 3. bf16 generation at batch 1 from held-out prompts of 64 tokens, `--new-tokens` each: plain `generate()` and
    `generate(dspark=True)`, at temperature 0 (greedy) and 1 (sampling); mean accepted length per step (the target's
    own token included), position acceptance, tokens/s (wall clock around generate(), CUDA synchronized), and for
@@ -39,9 +40,11 @@ from transformers_inkling2.dspark_training import (
     attach_new_drafter,
     default_dspark_config,
     random_anchors,
+    target_written_windows,
     teacher_forced_loss,
     token_windows,
     train_dspark,
+    window_batches,
 )
 from transformers_inkling2.generation_dspark import DSparkDecoder, DSparkOptions
 from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
@@ -242,7 +245,8 @@ def report(summary: dict) -> str:
         f"{summary['held_out_tokens']:,} held-out tokens, compact vocabulary {summary['vocab']:,}.\n"
         f"Target: {summary['target_parameters'] / 1e6:.1f}M parameters, {summary['target_steps']} steps in "
         f"{summary['target_seconds']:.0f} s, held-out loss {summary['target_held_out_loss']:.3f}. Drafter: "
-        f"{summary['drafter_parameters'] / 1e6:.1f}M parameters, {summary['drafter_steps']} steps in "
+        f"{summary['drafter_parameters'] / 1e6:.1f}M parameters, {summary['drafter_steps']} steps on "
+        f"{summary['drafter_data']} in "
         f"{summary['drafter_seconds']:.0f} s, loss {summary['drafter_loss_first']:.3f} -> {summary['drafter_loss_last']:.3f}.\n"
         f"Held-out teacher-forced agreement of the drafter's argmax with the target's, by block position: "
         f"{' '.join(f'{a:.2f}' for a in summary['teacher_forced_agreement'])}.\n"
@@ -259,6 +263,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-steps", type=int, default=1000)
     parser.add_argument("--drafter-steps", type=int, default=1500)
+    parser.add_argument("--self-distill", type=int, metavar="N", help="distill on N target-written windows of 256")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -273,9 +278,12 @@ def main() -> None:
 
     drafter = attach_new_drafter(model, default_dspark_config(config, mask_token_id=vocab))
     start = time.perf_counter()
-    drafter_losses = train_dspark(
-        model, token_windows(train, 512, 16, seed=2, device=DEVICE), args.drafter_steps, 1e-3, anchors_per_window=32
-    )
+    if args.self_distill:  # the second half of every window written by the target itself
+        windows = target_written_windows(model, train, args.self_distill, 256, batch_size=128, seed=2)
+        batches = window_batches(windows, 16, seed=2, device=DEVICE)
+    else:
+        batches = token_windows(train, 512, 16, seed=2, device=DEVICE)
+    drafter_losses = train_dspark(model, batches, args.drafter_steps, 1e-3, anchors_per_window=32)
     drafter_seconds = time.perf_counter() - start
 
     summary = {
@@ -291,6 +299,7 @@ def main() -> None:
         "target_held_out_loss": target_loss,
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "drafter_steps": args.drafter_steps,
+        "drafter_data": f"{args.self_distill} target-written windows" if args.self_distill else "corpus windows",
         "drafter_seconds": drafter_seconds,
         "drafter_loss_first": drafter_losses[0],
         "drafter_loss_last": drafter_losses[-1],

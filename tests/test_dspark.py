@@ -331,43 +331,46 @@ def test_mtp_file_without_a_drafter_config_needs_the_tapped_layers(model, tmp_pa
 # --- training ------------------------------------------------------------------------------------------------------
 
 
-def test_training_lowers_the_loss_and_the_cli_writes_a_loadable_model(tmp_path):
-    from transformers_inkling2.cli import main
+def test_a_drafter_distilled_from_its_target_drafts_several_tokens_per_step():
+    """End to end on a deterministic language (a 13-token cycle): train the target, let it write its own training
+    text, distill the drafter, and decode with it; the drafts must be accepted several at a time."""
     from transformers_inkling2.dspark_training import (
         attach_new_drafter,
         default_dspark_config,
+        target_written_windows,
         token_windows,
         train_dspark,
+        window_batches,
     )
 
-    model = build(seed=2)
-    model.dspark = None
+    torch.manual_seed(0)
+    model = build(seed=2, drafter=dict(target_layer_ids=[1, 3]), num_hidden_layers=6, layer_types=None)
+    tokens = torch.randperm(40)[torch.arange(5000) % 13]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _, input_ids in zip(range(40), token_windows(tokens, 48, 8)):
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
     attach_new_drafter(model, default_dspark_config(model.config, num_draft_layers=1, markov_rank=16))
-    tokens = torch.randint(0, 50, (4000,), generator=torch.Generator().manual_seed(0))  # a 50-token language
-    losses = train_dspark(model, token_windows(tokens, 48, 4), steps=40, learning_rate=3e-3, anchors_per_window=8)
-    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    windows = target_written_windows(model, tokens, count=16, window=48, batch_size=16)
+    losses = train_dspark(model, window_batches(windows, 8), steps=200, learning_rate=3e-3, anchors_per_window=8)
+    assert sum(losses[-5:]) < 0.6 * sum(losses[:5])
+    prompt = tokens[None, 3:23]
+    out = dspark_generate(model, prompt, torch.ones_like(prompt), 40, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy_generate(model, prompt, torch.ones_like(prompt), 40))
+    assert out.mean_accepted_length >= 4
+
+
+def test_train_dspark_command_writes_a_loadable_model(tmp_path):
+    from transformers_inkling2.cli import main
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The sea is calm tonight. The tide is full, the moon lies fair upon the straits. " * 20)
-    main(
-        [
-            "train-dspark",
-            "--output",
-            str(tmp_path / "out"),
-            "--corpus",
-            str(corpus),
-            "--steps",
-            "2",
-            "--window",
-            "64",
-            "--batch-size",
-            "2",
-            "--anchors",
-            "4",
-            "--device",
-            "cpu",
-        ]
-    )
+    main(["train-dspark", "--output", str(tmp_path / "out"), "--corpus", str(corpus), "--steps", "2", "--window", "64",
+          "--batch-size", "2", "--anchors", "4", "--device", "cpu", "--self-distill", "2"])  # fmt: skip
     assert Inkling2ForConditionalGeneration.from_pretrained(tmp_path / "out").dspark is not None
 
 

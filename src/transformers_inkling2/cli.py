@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--anchors", type=int, default=32, help="blocks per window")
     train.add_argument("--learning-rate", type=float, default=1e-3)
     train.add_argument("--new-drafter", action="store_true", help="train a fresh drafter instead of the model's own")
+    train.add_argument(
+        "--self-distill",
+        type=int,
+        metavar="N",
+        help="train on N windows whose second half the target writes itself (sampled) instead of the corpus text",
+    )
     train.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     train.add_argument("--seed", type=int, default=0)
@@ -205,8 +211,10 @@ def run_train_dspark(args: argparse.Namespace) -> None:
         attach_new_drafter,
         default_dspark_config,
         offline_english_corpus,
+        target_written_windows,
         token_windows,
         train_dspark,
+        window_batches,
     )
 
     device = resolve_device(args.device)
@@ -219,7 +227,11 @@ def run_train_dspark(args: argparse.Namespace) -> None:
         text = offline_english_corpus()
     token_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
     print(f"[train-dspark] {len(token_ids):,} tokens of text; {args.steps} steps of {args.batch_size} x {args.window}")
-    batches = token_windows(token_ids, args.window, args.batch_size, args.seed, device)
+    if args.self_distill:
+        windows = target_written_windows(model, token_ids, args.self_distill, args.window, seed=args.seed)
+        batches = window_batches(windows, args.batch_size, args.seed, device)
+    else:
+        batches = token_windows(token_ids, args.window, args.batch_size, args.seed, device)
     losses = train_dspark(model, batches, args.steps, args.learning_rate, args.anchors, args.seed)
     model.save_pretrained(args.output)
     (processor or tokenizer).save_pretrained(args.output)

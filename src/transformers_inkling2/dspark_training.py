@@ -180,6 +180,43 @@ def token_windows(token_ids: torch.LongTensor, window: int, batch_size: int, see
         yield torch.stack([token_ids[s : s + window] for s in starts.tolist()]).to(device)
 
 
+@torch.no_grad()
+def target_written_windows(
+    model, token_ids: torch.LongTensor, count: int, window: int, batch_size: int = 64, seed: int = 0
+) -> torch.LongTensor:
+    """Self-distillation data: `count` windows [count, window] whose first half is corpus text and whose second half
+    the target writes itself (sampled at temperature 1, no EOS stop). Drafts are judged against what the target
+    would write, so a drafter trained on the target's own text sees at training time the sequences it meets when
+    drafting; the prompt half keeps it anchored to the corpus."""
+    prompt_length = window // 2
+    prompts = next(token_windows(token_ids, prompt_length, count, seed))
+    device = model.get_input_embeddings().weight.device
+    written = []
+    torch.manual_seed(seed)
+    for chunk in tqdm(prompts.split(batch_size), desc="the target writes its training text"):
+        chunk = chunk.to(device)
+        out = model.generate(
+            chunk,
+            attention_mask=torch.ones_like(chunk),
+            max_new_tokens=window - prompt_length,
+            do_sample=True,
+            temperature=1.0,
+            top_k=None,
+            top_p=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        written.append(out.cpu())
+    return torch.cat(written)
+
+
+def window_batches(windows: torch.LongTensor, batch_size: int, seed: int = 0, device="cpu"):
+    """Endless batches of random rows of `windows` [N, T]."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield windows[torch.randint(0, len(windows), (batch_size,), generator=generator)].to(device)
+
+
 def offline_english_corpus() -> str:
     """English prose that every Python installation carries: CPython's documentation topics (`pydoc_data`),
     about 800 kB of the Python reference manual."""
@@ -188,4 +225,12 @@ def offline_english_corpus() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-__all__ = ["attach_new_drafter", "default_dspark_config", "teacher_forced_loss", "train_dspark", "token_windows"]
+__all__ = [
+    "attach_new_drafter",
+    "default_dspark_config",
+    "target_written_windows",
+    "teacher_forced_loss",
+    "token_windows",
+    "train_dspark",
+    "window_batches",
+]

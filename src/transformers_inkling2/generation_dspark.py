@@ -112,7 +112,7 @@ class DSparkDecoder:
         self.block_size = self.drafter.config.block_size
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
-        pad = generation_config._pad_token_tensor
+        pad = getattr(generation_config, "_pad_token_tensor", None)  # set by generate()
         self.pad_token_id = 0 if pad is None else int(pad)
         self.context = Inkling2DSparkContextCache(len(self.drafter.layers), self.drafter.config.context_window)
         self.step_count = 0

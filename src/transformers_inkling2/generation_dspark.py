@@ -100,7 +100,9 @@ def real_positions(padding_mask: torch.Tensor) -> torch.Tensor:
 
 
 def processed(logits_processor, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    return logits_processor(prefix, logits.float()) if logits_processor else logits.float()
+    """fp32 scores after the logits processors, on the prefix's device (the lm_head may sit on another GPU)."""
+    logits = logits.to(prefix.device, torch.float32)
+    return logits_processor(prefix, logits) if logits_processor else logits
 
 
 class DSparkDecoder:
@@ -186,22 +188,23 @@ class DSparkDecoder:
         batch = anchor.shape[0]
         mask_id = self.drafter.config.mask_token_id
         block_ids = torch.cat([anchor[:, None], anchor.new_full((batch, self.block_size - 1), mask_id)], dim=1)
-        embeddings = self.model.get_input_embeddings()(block_ids)[:, None]
+        device = self.drafter.fc.weight.device  # the drafter sits on one device (`_no_split_modules`)
+        embeddings = self.model.get_input_embeddings()(block_ids)[:, None].to(device)
         seen = self.cache.get_seq_length()
-        key_positions = torch.arange(self.context.first_position, seen, device=anchor.device)
+        key_positions = torch.arange(self.context.first_position, seen, device=device)
         view = ContextView(
-            anchor_positions=torch.tensor([seen], device=anchor.device),
+            anchor_positions=torch.tensor([seen], device=device),
             key_positions=key_positions,
-            key_is_real=self.padding_mask[:, key_positions],
+            key_is_real=self.padding_mask.to(device)[:, key_positions],
             block_size=self.block_size,
             window=self.drafter.config.context_window,
             num_buckets=self.drafter.config.distance_buckets,
         )
         hidden = self.drafter.block_hidden_states(embeddings, self.context.keys, self.context.values, view)
-        base_logits = self.model.compute_logits(hidden)
+        base_logits = self.model.compute_logits(hidden).to(device)
         sample = self.do_sample and self.options.draft_sample_method == "probabilistic"
         state = self.drafter.initial_state(batch, hidden)
-        previous, prefix = anchor, torch.cat([self.tokens, anchor[:, None]], dim=1)
+        previous, prefix = anchor.to(device), torch.cat([self.tokens, anchor[:, None]], dim=1).to(device)
         drafts, distributions = [], []
         for k in range(self.block_size):
             state, logits, confidence = self.drafter.head_step(state, previous, hidden[:, k], base_logits[:, k])
@@ -213,8 +216,8 @@ class DSparkDecoder:
             drafts.append(previous)
             distributions.append(distribution)
             prefix = torch.cat([prefix, previous[:, None]], dim=1)
-        drafts = torch.stack(drafts, dim=1)
-        return drafts, (torch.stack(distributions, dim=1) if sample else None)
+        drafts = torch.stack(drafts, dim=1).to(anchor.device)
+        return drafts, (torch.stack(distributions, dim=1).to(anchor.device) if sample else None)
 
     def verify(self, anchor: torch.Tensor, drafts: torch.Tensor, draft_distributions: torch.Tensor | None):
         """Target pass over [anchor, drafts]; returns (accepted draft counts [batch], the target's next token per row,

@@ -35,7 +35,7 @@ class Inkling2MultimodalPreTrainedModel(Inkling2PreTrainedModel):
     """Sub-models (the ViT, the text decoder) initialize their own weights."""
 
     config: Inkling2Config
-    _no_split_modules = ["Inkling2DecoderLayer", "Inkling2VisionEncoderLayer"]
+    _no_split_modules = ["Inkling2DecoderLayer", "Inkling2VisionEncoderLayer", "Inkling2DSparkDrafter"]
 
 
 class Inkling2Model(Inkling2MultimodalPreTrainedModel):

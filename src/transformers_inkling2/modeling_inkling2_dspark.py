@@ -209,8 +209,9 @@ class Inkling2DSparkDrafter(nn.Module):
 
     def context_features(self, target_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The target's `output_hidden_states` (embeddings first) -> context features [batch, T, hidden]."""
-        tapped = torch.cat([target_hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
-        return self.context_norm(self.fc(tapped.to(self.fc.weight.dtype)))
+        weight = self.fc.weight  # with device_map="auto" the tapped layers may sit on other devices
+        tapped = [target_hidden_states[i + 1].to(weight.device, weight.dtype) for i in self.config.target_layer_ids]
+        return self.context_norm(self.fc(torch.cat(tapped, dim=-1)))
 
     def context_keys_values(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [layer.self_attn.keys_values(features) for layer in self.layers]

@@ -400,7 +400,7 @@ class Inkling2PreTrainedModel(PreTrainedModel):
     config: Inkling2Config
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["Inkling2DecoderLayer"]
+    _no_split_modules = ["Inkling2DecoderLayer", "Inkling2DSparkDrafter"]  # the drafter on one device
     _skip_keys_device_placement = ["past_key_values"]
     _supports_flash_attn = False
     _supports_sdpa = False

@@ -284,6 +284,22 @@ def test_save_and_load_keep_the_drafter(model, tmp_path):
     )
 
 
+def test_a_saved_generation_config_turns_dspark_on(tmp_path, monkeypatch):
+    from transformers import GenerationConfig
+
+    calls = []
+    original = dspark_generation.dspark_decoding
+    monkeypatch.setattr(dspark_generation, "dspark_decoding", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = build(seed=4)
+    model.generation_config = GenerationConfig(dspark=True, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids, attention_mask = left_padded_batch(seed=16, length=8, pad=0)
+    with_dspark = loaded.generate(input_ids, attention_mask=attention_mask)
+    assert calls == [1]
+    assert torch.equal(with_dspark, loaded.generate(input_ids, attention_mask=attention_mask, dspark=False))
+
+
 def write_official_layout(model, folder, drafter_names=lambda name: f"model.mtp.{name}", with_config=True):
     """The target as usual plus the drafter in a separate `mtp.safetensors`."""
     target = Inkling2ForCausalLM(Inkling2TextConfig(**ORACLE_TEXT_CONFIG))

@@ -4,7 +4,7 @@
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
-    inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high]   OpenAI-compatible server
+    inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high] [--dspark]   OpenAI server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
 """
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--effort", help="default thinking effort: none/minimal/low/medium/high/xhigh/max or 0-0.99")
     serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    serve.add_argument("--dspark", action="store_true", help="decode with the bundled DSpark drafter")
     quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
     quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
     quantize.add_argument("target", help="output folder")
@@ -187,6 +188,8 @@ def run_serve(args: argparse.Namespace) -> None:
     model, processor, tokenizer = load(args.model, device, resolve_dtype(args.dtype, device))
     if processor is None:
         print("[serve] the checkpoint has no image processor: serving text only", flush=True)
+    if args.dspark:  # every generate() call of the server reads it from the generation config
+        model.generation_config.dspark = True
     effort = args.effort
     if effort is not None and effort.replace(".", "", 1).isdigit():
         effort = float(effort)

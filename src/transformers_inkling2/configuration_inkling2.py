@@ -363,6 +363,8 @@ class Inkling2Config(ReadsExpertStorage, PreTrainedConfig):
         self.text_config.dspark_config = self.dspark_config
 
     def validate_architecture(self):
+        if self.dspark_config is not None:
+            self.dspark_config.check_fits_target(self.text_config)
         if self.vision_config.text_hidden_size != self.text_config.hidden_size:
             raise ValueError(
                 f"`vision_config.text_hidden_size` ({self.vision_config.text_hidden_size}) must equal "

@@ -66,7 +66,7 @@ def dspark_config_from_shapes(state: dict[str, torch.Tensor]) -> Inkling2DSparkC
     try:
         hidden = state["fc.weight"].shape[0]
         layers = 1 + max(int(m.group(1)) for m in (re.match(r"layers\.(\d+)\.", k) for k in state) if m)
-        attention = "layers.0.self_attn."
+        attention = "layers.0.attention."
         head_dim = state[attention + "q_norm.weight"].shape[0]
         heads, buckets = state[attention + "distance_bias"].shape
         fields = dict(
@@ -78,13 +78,13 @@ def dspark_config_from_shapes(state: dict[str, torch.Tensor]) -> Inkling2DSparkC
             intermediate_size=state["layers.0.mlp.gate_proj.weight"].shape[0],
             distance_buckets=buckets,
             block_size=state["block_position_embedding"].shape[0],
-            head_type="rnn" if "markov_head.embed.weight" in state else "vanilla",
+            head_type="rnn" if "markov_head.w1.weight" in state else "vanilla",
             use_confidence_head="confidence_head.proj.weight" in state,
         )
     except (KeyError, ValueError) as error:
         raise ValueError(f"cannot read the drafter's shape from its tensors (no {error})") from None
     if fields["head_type"] == "rnn":
-        fields["markov_rank"] = state["markov_head.embed.weight"].shape[1]
+        fields["markov_rank"] = state["markov_head.w1.weight"].shape[1]
     config = Inkling2DSparkConfig(**fields)
     if len(config.target_layer_ids) * hidden != state["fc.weight"].shape[1]:
         raise ValueError(

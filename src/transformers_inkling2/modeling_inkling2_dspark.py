@@ -142,40 +142,41 @@ class Inkling2DSparkMLP(nn.Module):
 
 
 class Inkling2DSparkLayer(nn.Module):
-    """Pre-norm attention and MLP with plain residuals."""
+    """Pre-norm attention and MLP with plain residuals. (Its names differ from the decoder layer's on purpose: the
+    target's checkpoint renamings, which match names like `self_attn.q_proj`, must leave the drafter alone.)"""
 
     def __init__(self, config: Inkling2DSparkConfig):
         super().__init__()
-        self.input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Inkling2DSparkAttention(config)
-        self.post_attention_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_norm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Inkling2DSparkAttention(config)
+        self.mlp_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Inkling2DSparkMLP(config)
 
     def forward(self, x, context_keys, context_values, context_view: ContextView) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_keys, context_values, context_view)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention(self.attention_norm(x), context_keys, context_values, context_view)
+        return x + self.mlp(self.mlp_layernorm(x))
 
 
 class Inkling2DSparkMarkovHead(nn.Module):
     """The recurrent Markov head: a state of width `rank` that walks the block, fed the token drafted before each
     position, and a low-rank logit bias out of it.
 
-    `e = embed[prev]`, `[g, c, o] = joint_proj([s; e; h])`, `s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c)`,
-    `bias = out_proj(tanh(o))`."""
+    `e = w1[prev]`, `[g, c, o] = joint_proj([s; e; h])`, `s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c)`,
+    `bias = w2(tanh(o))` (the paper's W1 and W2)."""
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, rank)
+        self.w1 = nn.Embedding(vocab_size, rank)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=True)
-        self.out_proj = nn.Linear(rank, vocab_size, bias=False)
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)
 
     def forward(self, state, previous_ids, hidden):
         """One position: returns (next state, logit bias [.., vocab], embedding of the previous token)."""
-        embedded = self.embed(previous_ids)
+        embedded = self.w1(previous_ids)
         gate, candidate, output = self.joint_proj(torch.cat([state, embedded, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(candidate)
-        return state, self.out_proj(torch.tanh(output)), embedded
+        return state, self.w2(torch.tanh(output)), embedded
 
 
 class Inkling2DSparkConfidenceHead(nn.Module):
@@ -214,7 +215,7 @@ class Inkling2DSparkDrafter(nn.Module):
         return self.context_norm(self.fc(torch.cat(tapped, dim=-1)))
 
     def context_keys_values(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [layer.self_attn.keys_values(features) for layer in self.layers]
+        return [layer.attention.keys_values(features) for layer in self.layers]
 
     def block_hidden_states(self, block_embeddings, context_keys, context_values, context_view) -> torch.Tensor:
         """block_embeddings [batch, blocks, block_size, hidden] (the target's embedding of the block tokens) -> the

@@ -399,3 +399,19 @@ def test_greedy_dspark_equals_plain_greedy_on_gpu():
     input_ids, attention_mask = (t.cuda() for t in left_padded_batch(seed=15, length=30, pad=7))
     expected = greedy_generate(model, input_ids, attention_mask, new_tokens=40)
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 40), expected)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_drafter_attention_equals_sdpa(dtype, tolerance):
+    """The drafter's plain-matmul attention against PyTorch's SDPA on fresh random inputs, grouped heads, masked keys."""
+    from transformers_inkling2.modeling_inkling2_dspark import attend
+
+    generator = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(shape, generator=generator).to(dtype) for shape in ((2, 8, 14, 16), (2, 2, 30, 16), (2, 2, 30, 16)))
+    bias = torch.randn(2, 8, 14, 30, generator=generator)
+    bias[..., :5] = float("-inf")
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=True
+    )
+    actual = attend(q, k, v, bias).float()
+    assert (actual - expected).norm() / expected.norm() < tolerance

@@ -107,9 +107,20 @@ class Inkling2DSparkAttention(nn.Module):
         same_block = torch.eye(num_blocks, dtype=torch.bool, device=x.device)
         same_block = same_block.repeat_interleave(self.block_size, 0).repeat_interleave(self.block_size, 1)
         block_bias = self.block_bias.repeat(1, num_blocks, num_blocks).masked_fill(~same_block, HIDDEN)
-        bias = torch.cat([context_bias, block_bias.expand(batch, -1, -1, -1)], dim=-1).to(q.dtype)
-        output = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, enable_gqa=True)
-        return self.o_proj(output.transpose(1, 2).reshape(batch, queries, -1))
+        bias = torch.cat([context_bias, block_bias.expand(batch, -1, -1, -1)], dim=-1)
+        return self.o_proj(attend(q, keys, values, bias).transpose(1, 2).reshape(batch, queries, -1))
+
+
+def attend(queries, keys, values, bias):
+    """Softmax attention in plain matmuls, the scores in fp32: queries [b, heads, Q, d], keys/values [b, kv_heads, K,
+    d] (query head h reads kv head h // (heads / kv_heads)), bias [b, heads, Q, K]. A draft's shapes change every step
+    (the context grows), and SDPA's fused backends may plan per shape; these few small matmuls do not."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = queries.reshape(batch, kv_heads, heads // kv_heads * length, dim)
+    scores = (grouped @ keys.transpose(-1, -2)).float().view(batch, heads, length, -1) * dim**-0.5 + bias
+    weights = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, kv_heads, heads // kv_heads * length, -1)
+    return (weights @ values).view(batch, heads, length, dim)
 
 
 class ContextView:

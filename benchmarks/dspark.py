@@ -20,7 +20,8 @@ only the first part; prompts come from the held-out topics.
     export PYTHONPATH=$PWD/src:/tmp/site
     python3 benchmarks/dspark.py [--target-steps 1000] [--drafter-steps 1500] [--out DIR]
 
-Prints a markdown report and writes `dspark.md` (+ `dspark.json`) under --out (default $OUT, else ./).
+Prints a markdown report and writes `dspark.md` (+ `dspark.json`, saved after every phase) under --out (default
+$OUT, else ./).
 """
 
 from __future__ import annotations
@@ -195,12 +196,12 @@ def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, s
     return out.sequences[0, prompt.shape[1] :], time.perf_counter() - start, out
 
 
-def evaluate(model, held_out, prompts: int, new_tokens: int) -> dict:
+def evaluate(model, held_out, prompts: int, new_tokens: int, results: dict, save) -> None:
+    """Fills `results[temperature]`, saving after each temperature (a run cut short keeps what it measured)."""
     starts = torch.linspace(0, len(held_out) - PROMPT_TOKENS - 1, prompts).long().tolist()
     prompt_list = [held_out[s : s + PROMPT_TOKENS][None].to(DEVICE) for s in starts]
     timed_generate(model, prompt_list[0], 16, False, False, 0)  # warm-up
     timed_generate(model, prompt_list[0], 16, False, True, 0)
-    results = {}
     for temperature, sample in (("0", False), ("1", True)):
         plain_time = dspark_time = 0.0
         plain_tokens = dspark_tokens = shared = 0
@@ -224,7 +225,7 @@ def evaluate(model, held_out, prompts: int, new_tokens: int) -> dict:
             "greedy_prefix_shared_with_plain": None if sample else shared / plain_tokens,
         }
         print(f"  temperature {temperature}: {results[temperature]}", flush=True)
-    return results
+        save()
 
 
 def report(summary: dict) -> str:
@@ -269,12 +270,34 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        (out / "dspark.json").write_text(json.dumps(summary, indent=2))
+
     train, held_out, vocab = corpus(build_inkling2_tokenizer())
     config = target_config(vocab)
     print(f"corpus: {len(train):,} training tokens, {len(held_out):,} held out, vocabulary {vocab:,}", flush=True)
+    summary = {
+        "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU",
+        "torch": torch.__version__,
+        "train_tokens": len(train),
+        "held_out_tokens": len(held_out),
+        "vocab": vocab,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+    }
     model, target_losses, target_seconds = train_target(config, train, args.target_steps, 32, 256, 2e-3)
-    target_loss = held_out_loss(model, held_out)
-    print(f"target held-out loss {target_loss:.3f}", flush=True)
+    summary.update(
+        target_parameters=sum(p.numel() for p in model.parameters()),
+        target_steps=args.target_steps,
+        target_seconds=target_seconds,
+        target_loss_last=target_losses[-1],
+        target_held_out_loss=held_out_loss(model, held_out),
+    )
+    print(f"target held-out loss {summary['target_held_out_loss']:.3f}", flush=True)
+    save()
 
     drafter = attach_new_drafter(model, default_dspark_config(config, mask_token_id=vocab))
     start = time.perf_counter()
@@ -284,37 +307,22 @@ def main() -> None:
     else:
         batches = token_windows(train, 512, 16, seed=2, device=DEVICE)
     drafter_losses = train_dspark(model, batches, args.drafter_steps, 1e-3, anchors_per_window=32)
-    drafter_seconds = time.perf_counter() - start
-
-    summary = {
-        "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU",
-        "torch": torch.__version__,
-        "train_tokens": len(train),
-        "held_out_tokens": len(held_out),
-        "vocab": vocab,
-        "target_parameters": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("dspark.")),
-        "target_steps": args.target_steps,
-        "target_seconds": target_seconds,
-        "target_loss_last": target_losses[-1],
-        "target_held_out_loss": target_loss,
-        "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
-        "drafter_steps": args.drafter_steps,
-        "drafter_data": f"{args.self_distill} target-written windows" if args.self_distill else "corpus windows",
-        "drafter_seconds": drafter_seconds,
-        "drafter_loss_first": drafter_losses[0],
-        "drafter_loss_last": drafter_losses[-1],
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-        "teacher_forced_agreement": teacher_forced_agreement(model, held_out),
-        "step_costs": step_costs(model, held_out[None, :PROMPT_TOKENS].to(DEVICE)),
-        "generation": evaluate(model, held_out, args.prompts, args.new_tokens),
-    }
+    summary.update(
+        drafter_parameters=sum(p.numel() for p in drafter.parameters()),
+        drafter_steps=args.drafter_steps,
+        drafter_data=f"{args.self_distill} target-written windows" if args.self_distill else "corpus windows",
+        drafter_seconds=time.perf_counter() - start,
+        drafter_loss_first=drafter_losses[0],
+        drafter_loss_last=drafter_losses[-1],
+        teacher_forced_agreement=teacher_forced_agreement(model, held_out),
+        step_costs=step_costs(model, held_out[None, :PROMPT_TOKENS].to(DEVICE)),
+        generation={},
+    )
+    save()
+    evaluate(model, held_out, args.prompts, args.new_tokens, summary["generation"], save)
     text = report(summary)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "dspark.md").write_text(text)
-    (out / "dspark.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

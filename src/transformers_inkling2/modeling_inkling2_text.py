@@ -301,7 +301,8 @@ class Inkling2SparseMoeBlock(nn.Module):
 
 class Inkling2BlockAttentionResidual(nn.Module):
     """Replaces a residual connection: learned queries attend (softmax over blocks, scale 1/sqrt(hidden)) over the
-    RMS-normalized stack [completed blocks..., current partial block]. In fp32; one output per query."""
+    RMS-normalized stack [completed blocks..., current partial block]. In fp32; one output per query. The completed
+    blocks arrive already normalized (fp32): they never change, and every later mix reads them."""
 
     def __init__(self, config: Inkling2TextConfig, num_queries: int = 1):
         super().__init__()
@@ -309,7 +310,7 @@ class Inkling2BlockAttentionResidual(nn.Module):
         self.query = nn.Parameter(torch.zeros(shape))
 
     def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        stack = rms_normalize(torch.stack([block.float() for block in (*blocks, partial)], dim=-2), 1e-6)
+        stack = torch.stack([*blocks, rms_normalize(partial, 1e-6)], dim=-2)
         queries = self.query.float().view(-1, stack.shape[-1])
         weights = torch.softmax(torch.einsum("qh,btnh->btqn", queries, stack) / math.sqrt(stack.shape[-1]), -1)
         return torch.einsum("btqn,btnh->btqh", weights, stack).unbind(-2)
@@ -323,7 +324,8 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
 
     The stream is a list of completed blocks (the embedding, then one per `n_layers_per_attn_res_block` layers) and
     a partial block, the sum of the sublayer outputs since the last boundary. A layer that opens a block moves the
-    partial block into the list and restarts it from its attention output.
+    partial block into the list (RMS-normalized once, in fp32, as every mix reads it) and restarts it from its
+    attention output.
     """
 
     def __init__(self, config: Inkling2TextConfig, layer_idx: int):
@@ -366,7 +368,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         attention_output = self.post_attention_convolution(attention_output, token_mask, cache).float()
 
         if self.opens_block:
-            blocks = [*blocks, partial]
+            blocks = [*blocks, rms_normalize(partial, 1e-6)]
             partial = attention_output
         else:
             partial = partial.float() + attention_output

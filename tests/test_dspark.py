@@ -155,7 +155,9 @@ def test_images_in_the_prompt():
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 15, **inputs), expected)
 
 
-def test_generation_config_field_turns_dspark_on(model, monkeypatch):
+@pytest.fixture
+def dspark_calls(monkeypatch):
+    """How many times generate() entered DSpark decoding."""
     calls = []
     original = dspark_generation.dspark_decoding
 
@@ -164,11 +166,15 @@ def test_generation_config_field_turns_dspark_on(model, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(dspark_generation, "dspark_decoding", counting)
+    return calls
+
+
+def test_generation_config_field_turns_dspark_on(model, dspark_calls):
     input_ids, attention_mask = left_padded_batch(seed=11, length=8, pad=0)
     expected = greedy_generate(model, input_ids, attention_mask, new_tokens=6)
     config = model.generation_config.__class__(dspark=True, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(input_ids, attention_mask=attention_mask, generation_config=config), expected)
-    assert calls == [1]
+    assert dspark_calls == [1]
 
 
 # --- sampling keeps the target's distribution -----------------------------------------------------------------------
@@ -287,19 +293,16 @@ def test_save_and_load_keep_the_drafter(model, tmp_path):
     )
 
 
-def test_a_saved_generation_config_turns_dspark_on(tmp_path, monkeypatch):
+def test_a_saved_generation_config_turns_dspark_on(tmp_path, dspark_calls):
     from transformers import GenerationConfig
 
-    calls = []
-    original = dspark_generation.dspark_decoding
-    monkeypatch.setattr(dspark_generation, "dspark_decoding", lambda *a, **k: calls.append(1) or original(*a, **k))
     model = build(seed=4)
     model.generation_config = GenerationConfig(dspark=True, max_new_tokens=6, do_sample=False, pad_token_id=0)
     model.save_pretrained(tmp_path)
     loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
     input_ids, attention_mask = left_padded_batch(seed=16, length=8, pad=0)
     with_dspark = loaded.generate(input_ids, attention_mask=attention_mask)
-    assert calls == [1]
+    assert dspark_calls == [1]
     assert torch.equal(with_dspark, loaded.generate(input_ids, attention_mask=attention_mask, dspark=False))
 
 

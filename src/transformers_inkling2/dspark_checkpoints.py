@@ -113,10 +113,7 @@ def load_mtp_drafter(model, mtp_file: Path) -> bool:
         )
         model.dspark = None
         return False
-    reference = model.get_input_embeddings().weight
-    model.dspark = drafter.to(device=reference.device, dtype=reference.dtype)
-    for config in {id(model.config): model.config, id(text_config): text_config}.values():
-        config.dspark_config = dspark_config
+    model.set_dspark(drafter)
     return True
 
 

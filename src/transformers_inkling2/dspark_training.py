@@ -56,13 +56,9 @@ def attach_new_drafter(model, dspark_config: Inkling2DSparkConfig, seed: int = 0
     dspark_config.check_fits_target(text_config)
     torch.manual_seed(seed)
     drafter = Inkling2DSparkDrafter(dspark_config, text_config.vocab_size)
-    model.dspark = drafter
-    for config in {id(model.config): model.config, id(text_config): text_config}.values():
-        config.dspark_config = dspark_config
     for module in drafter.modules():
         model._init_weights(module)
-    reference = model.get_input_embeddings().weight
-    return drafter.to(device=reference.device, dtype=reference.dtype)
+    return model.set_dspark(drafter)
 
 
 def position_weights(block_size: int, device) -> torch.Tensor:

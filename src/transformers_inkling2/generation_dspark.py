@@ -94,14 +94,24 @@ def check_dspark_request(model, generation_config) -> None:
         )
 
 
+def pad_token_id(generation_config) -> int:
+    """The pad token (generate() defaults it to EOS); 0 when neither is set."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    if pad is None and eos is not None:
+        pad = eos.flatten()[0]
+    return 0 if pad is None else int(pad)
+
+
 def real_positions(padding_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token among its row's real tokens (padding at 0)."""
     return (padding_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def processed(logits_processor, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """fp32 scores after the logits processors, on the prefix's device (the lm_head may sit on another GPU)."""
-    logits = logits.to(prefix.device, torch.float32)
+def processed(logits_processor, prefix: torch.Tensor | None, logits: torch.Tensor, device) -> torch.Tensor:
+    """fp32 scores on `device` (the lm_head may sit on another GPU), after the logits processors if there are any
+    (then `prefix` is the token sequence they see)."""
+    logits = logits.to(device, torch.float32)
     return logits_processor(prefix, logits) if logits_processor else logits
 
 
@@ -114,23 +124,16 @@ class DSparkDecoder:
         self.block_size = self.drafter.config.block_size
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
-        pad = getattr(generation_config, "_pad_token_tensor", None)  # set by generate()
-        self.pad_token_id = 0 if pad is None else int(pad)
+        self.pad_token_id = pad_token_id(generation_config)
         self.context = Inkling2DSparkContextCache(len(self.drafter.layers), self.drafter.config.context_window)
         self.step_count = 0
         self.accepted_counts: list[int] = []
 
     # --- helpers ----------------------------------------------------------------------------------------------------
 
-    def target(self, mask_tail: torch.Tensor | None = None, **inputs):
-        """A target forward over new tokens with the current padding mask (None when nothing is padded)."""
-        mask = self.padding_mask if mask_tail is None else torch.cat([self.padding_mask, mask_tail], dim=1)
-        return self.model(
-            attention_mask=mask if self.has_padding else None,
-            past_key_values=self.cache,
-            use_cache=True,
-            **inputs,
-        )
+    def target(self, attention_mask: torch.Tensor | None, **inputs):
+        """A target forward over new tokens; `attention_mask` covers the cached and the new tokens (None: no padding)."""
+        return self.model(attention_mask=attention_mask, past_key_values=self.cache, use_cache=True, **inputs)
 
     def remember_context(self, hidden_states: tuple[torch.Tensor, ...], keep: int) -> None:
         """Context keys/values of the last `keep` positions the target just ran."""
@@ -157,28 +160,27 @@ class DSparkDecoder:
         self.has_padding = not bool(self.padding_mask.all())
         positions = real_positions(self.padding_mask)
         keep = min(length, self.context.max_positions)
-        full_mask = self.padding_mask
+        mask = self.padding_mask if self.has_padding else None
         if length > keep:  # the head of a long prompt needs no hidden states (and may go in chunks)
-            self.padding_mask = full_mask[:, : length - keep]
             self.target(
+                None if mask is None else mask[:, : length - keep],
                 inputs_embeds=prompt_embeddings[:, : length - keep],
                 position_ids=positions[:, : length - keep],
                 prefill_chunk_size=prefill_chunk_size,
                 logits_to_keep=1,
             )
-        self.padding_mask = full_mask[:, : length - keep]
         output = self.target(
-            mask_tail=full_mask[:, length - keep :],
+            mask,
             inputs_embeds=prompt_embeddings[:, length - keep :],
             position_ids=positions[:, length - keep :],
             output_hidden_states=True,
             logits_to_keep=1,
         )
-        self.padding_mask = full_mask
         self.real_lengths = self.padding_mask.long().sum(-1)
         self.context.seen_tokens = length - keep
         self.remember_context(output.hidden_states, keep)
-        first, _ = self.pick(processed(self.logits_processor, input_ids, output.logits[:, -1]), self.do_sample)
+        scores = processed(self.logits_processor, input_ids, output.logits[:, -1], input_ids.device)
+        first, _ = self.pick(scores, self.do_sample)
         return first
 
     # --- one step ---------------------------------------------------------------------------------------------------
@@ -204,7 +206,8 @@ class DSparkDecoder:
         base_logits = self.model.compute_logits(hidden).to(device)
         sample = self.do_sample and self.options.draft_sample_method == "probabilistic"
         state = self.drafter.initial_state(batch, hidden)
-        previous, prefix = anchor.to(device), torch.cat([self.tokens, anchor[:, None]], dim=1).to(device)
+        previous = anchor.to(device)
+        prefix = torch.cat([self.tokens, anchor[:, None]], dim=1).to(device) if self.logits_processor else None
         drafts, distributions = [], []
         for k in range(self.block_size):
             state, logits, confidence = self.drafter.head_step(state, previous, hidden[:, k], base_logits[:, k])
@@ -212,10 +215,12 @@ class DSparkDecoder:
             if k > 0 and threshold is not None and confidence is not None:
                 if bool((confidence[torch.tensor(alive, device=confidence.device)] < threshold).any()):
                     break
-            previous, distribution = self.pick(processed(self.logits_processor, prefix, logits), sample)
+            scores = processed(self.logits_processor, prefix, logits, device)
+            previous, distribution = self.pick(scores, sample)
             drafts.append(previous)
             distributions.append(distribution)
-            prefix = torch.cat([prefix, previous[:, None]], dim=1)
+            if prefix is not None:
+                prefix = torch.cat([prefix, previous[:, None]], dim=1)
         drafts = torch.stack(drafts, dim=1).to(anchor.device)
         return drafts, (torch.stack(distributions, dim=1).to(anchor.device) if sample else None)
 
@@ -225,17 +230,20 @@ class DSparkDecoder:
         batch, num_drafts = drafts.shape
         candidates = torch.cat([anchor[:, None], drafts], dim=1)
         positions = self.real_lengths[:, None] + torch.arange(num_drafts + 1, device=drafts.device)
-        output = self.target(
-            mask_tail=torch.ones_like(candidates, dtype=torch.bool),
-            input_ids=candidates,
-            position_ids=positions,
-            output_hidden_states=True,
-        )
-        prefix = torch.cat([self.tokens, candidates], dim=1)
-        prefix_length = self.tokens.shape[1]
+        mask = None
+        if self.has_padding:
+            mask = torch.cat([self.padding_mask, torch.ones_like(candidates, dtype=torch.bool)], dim=1)
+        output = self.target(mask, input_ids=candidates, position_ids=positions, output_hidden_states=True)
+        prefix = torch.cat([self.tokens, candidates], dim=1) if self.logits_processor else None
+        seen = self.tokens.shape[1]
         scores = torch.stack(
             [
-                processed(self.logits_processor, prefix[:, : prefix_length + j + 1], output.logits[:, j])
+                processed(
+                    self.logits_processor,
+                    None if prefix is None else prefix[:, : seen + j + 1],
+                    output.logits[:, j],
+                    drafts.device,
+                )
                 for j in range(num_drafts + 1)
             ],
             dim=1,
@@ -375,10 +383,8 @@ def dspark_decoding(
     if streamer is not None:
         streamer.end()
 
-    pad = generation_config._pad_token_tensor
-    pad = int(pad) if pad is not None else min(eos_ids, default=0)
     width = max(len(g) for g in generated)
-    padded = [g + [pad] * (width - len(g)) for g in generated]
+    padded = [g + [decoder.pad_token_id] * (width - len(g)) for g in generated]
     sequences = torch.cat([input_ids, torch.tensor(padded, device=device, dtype=input_ids.dtype)], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences

@@ -76,8 +76,7 @@ class Inkling2DSparkAttention(nn.Module):
 
     def __init__(self, config: Inkling2DSparkConfig):
         super().__init__()
-        self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.block_size = config.head_dim, config.block_size
+        self.num_heads, self.head_dim, self.block_size = config.num_attention_heads, config.head_dim, config.block_size
         hidden, kv_width = config.hidden_size, config.num_key_value_heads * config.head_dim
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_width, bias=False)

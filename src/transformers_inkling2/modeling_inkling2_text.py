@@ -614,6 +614,16 @@ class Inkling2LanguageModelingMixin:
         dspark_config = text_config.dspark_config
         self.dspark = None if dspark_config is None else Inkling2DSparkDrafter(dspark_config, text_config.vocab_size)
 
+    def set_dspark(self, drafter: Inkling2DSparkDrafter) -> Inkling2DSparkDrafter:
+        """Installs a drafter built after the model (loaded from `mtp.safetensors`, or new for training): on the
+        embedding's device and dtype, its config recorded in the model's configs so that save_pretrained keeps it."""
+        reference = self.get_input_embeddings().weight
+        self.dspark = drafter.to(device=reference.device, dtype=reference.dtype)
+        text_config = self.config.get_text_config()
+        for config in {id(self.config): self.config, id(text_config): text_config}.values():
+            config.dspark_config = drafter.config
+        return self.dspark
+
     def dspark_prompt_embeddings(self, input_ids: torch.LongTensor, **model_kwargs) -> torch.Tensor:
         """The prompt's input embeddings as the first forward would build them (images placed, where there are any)."""
         return self.get_input_embeddings()(input_ids)

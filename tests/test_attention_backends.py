@@ -160,12 +160,28 @@ def test_flex_decode_with_more_folded_rows_than_a_block():
         assert max_difference(inkling2_flex_decode_attention, inputs, window, 0.25) <= FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_non_contiguous_positions_are_refused(backend_name):
-    inputs = random_inputs(seed=22, queries=4, keys=30)
+@pytest.mark.parametrize("backend_name, queries", [("inkling2_flex", 12), ("inkling2_flex_decode", 4)])
+def test_non_contiguous_positions_are_refused(backend_name, queries):
+    inputs = random_inputs(seed=22, queries=queries, keys=30)
     inputs["key_positions"] = inputs["key_positions"] * 2
     with pytest.raises(RuntimeError):
         BACKENDS[backend_name](**inputs, sliding_window=None, scaling=0.25)
+
+
+@pytest.mark.parametrize("window", [16, None])
+def test_decode_reads_keys_held_in_a_ring(window):
+    """The static cache's sliding layers hold keys at slot = position mod K: the decode path gives what it gives on
+    the same keys in order (bias, window, padding and the sink included)."""
+    inputs = random_inputs(seed=24, queries=5, keys=30, first_query=40, padding=(0, 3))
+    expected = inkling2_decode_attention(**inputs, sliding_window=window, scaling=0.25)
+    slots = inputs["key_positions"].remainder(30)  # position -> slot
+    ring = dict(inputs)
+    for name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
+        ring[name] = torch.empty_like(inputs[name]).index_copy_(dim, slots, inputs[name])
+    ring["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
+    assert not torch.equal(ring["key_positions"], inputs["key_positions"])
+    torch.testing.assert_close(inkling2_decode_attention(**ring, sliding_window=window, scaling=0.25), expected)
+    assert max_difference(inkling2_decode_attention, ring, window, 0.25) <= FP32_TOLERANCE
 
 
 # --- block masks ---------------------------------------------------------------------------------------------------

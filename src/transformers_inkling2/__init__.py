@@ -6,6 +6,8 @@ The data path, module by module:
                              convolutions, MoE; `Inkling2ForCausalLM`
     attention                attention backends (`attn_implementation`), the eager reference first
     cache_inkling2           `Inkling2Cache`: keys/values + short-convolution states, rollback for speculation
+    static_cache_inkling2    `Inkling2StaticCache`: the same in fixed buffers (`cache_implementation="static"`)
+    decode_graphs            decode steps over the static cache replayed as CUDA graphs
     modeling_inkling2_vision the ViT and the merger into the text width
     modeling_inkling2        `Inkling2Model`, `Inkling2ForConditionalGeneration`: image features at the placeholders
     modeling_inkling2_dspark the DSpark drafter: block decoder over the target's hidden states + Markov head
@@ -45,11 +47,13 @@ from transformers import (
 from .cache_inkling2 import Inkling2Cache
 from .checkpoint_conversion import register_conversion_mappings
 from .configuration_inkling2 import Inkling2Config, Inkling2DSparkConfig, Inkling2TextConfig, Inkling2VisionConfig
+from .decode_graphs import Inkling2DecodeGraphs
 from .image_processing_inkling2 import Inkling2ImageProcessorPil
 from .modeling_inkling2 import Inkling2ForConditionalGeneration, Inkling2Model
 from .modeling_inkling2_text import Inkling2ForCausalLM, Inkling2PreTrainedModel, Inkling2TextModel
 from .modeling_inkling2_vision import Inkling2VisionModel
 from .processing_inkling2 import Inkling2MultimodalProcessor, Inkling2Processor
+from .static_cache_inkling2 import Inkling2StaticCache
 from .tokenization_inkling2 import Inkling2Tokenizer
 
 __version__ = "0.1.0"
@@ -80,6 +84,7 @@ _register()
 __all__ = [
     "Inkling2Cache",
     "Inkling2Config",
+    "Inkling2DecodeGraphs",
     "Inkling2DSparkConfig",
     "Inkling2ForCausalLM",
     "Inkling2ForConditionalGeneration",
@@ -87,6 +92,7 @@ __all__ = [
     "Inkling2Model",
     "Inkling2MultimodalProcessor",
     "Inkling2Processor",
+    "Inkling2StaticCache",
     "Inkling2VisionModel",
     "Inkling2PreTrainedModel",
     "Inkling2TextConfig",

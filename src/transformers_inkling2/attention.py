@@ -8,7 +8,8 @@ Every backend computes, for each query head, softmax attention over the visible 
 A backend is a function `(query, key, value, relative_logits, sinks, query_positions, key_positions,
 key_padding, sliding_window, scaling) -> [batch, queries, heads, head_dim]` registered in `ATTENTION_BACKENDS`
 under the name users pass as `attn_implementation`. Positions are physical stream positions (1-D, shared by the
-batch); `key_padding` is [batch, keys] (True = real token) or None.
+batch); `key_padding` is [batch, keys] (True = real token) or None. Key positions need not ascend: the static
+cache's sliding-window rings hold keys in slot order (see `KEYS_IN_ORDER_ONLY` for backends that need order).
 """
 
 from __future__ import annotations
@@ -75,21 +76,27 @@ def eager_attention(
 
 AttentionBackend = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {"eager": eager_attention}
+# Backends that need `key_positions = k0 + arange(K)`. The static cache's sliding-window rings hand over keys in slot
+# order (for steps of at most 8 queries); those steps run `ANY_ORDER_FALLBACK` instead.
+KEYS_IN_ORDER_ONLY: set[str] = set()
+ANY_ORDER_FALLBACK = "inkling2_decode"
 
 
-def get_attention_backend(name: str | None) -> AttentionBackend:
+def get_attention_backend(name: str | None, keys_in_order: bool = True) -> AttentionBackend:
     name = name or "eager"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"Unknown Inkling2 attention implementation {name!r}; available: {sorted(ATTENTION_BACKENDS)}."
         )
+    if not keys_in_order and name in KEYS_IN_ORDER_ONLY:
+        return ATTENTION_BACKENDS[ANY_ORDER_FALLBACK]
     return ATTENTION_BACKENDS[name]
 
 
 # --- registration of the fast backends (attention_flex.py) -------------------------------------------------------
 
 
-def register_attention_backend(name: str, backend: AttentionBackend) -> None:
+def register_attention_backend(name: str, backend: AttentionBackend, keys_in_any_order: bool = True) -> None:
     """Makes `attn_implementation=name` select `backend` in the Inkling2 text layers.
 
     The name is also registered with transformers' `AttentionInterface`: `from_pretrained`, `from_config` and
@@ -100,6 +107,8 @@ def register_attention_backend(name: str, backend: AttentionBackend) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     ATTENTION_BACKENDS[name] = backend
+    if not keys_in_any_order:
+        KEYS_IN_ORDER_ONLY.add(name)
     AttentionInterface.register(name, sdpa_attention_forward)
 
 
@@ -108,7 +117,7 @@ def _register_fast_backends() -> None:
 
     register_attention_backend("inkling2_flex", inkling2_flex_attention)
     register_attention_backend("inkling2_decode", inkling2_decode_attention)
-    register_attention_backend("inkling2_flex_decode", inkling2_flex_decode_attention)
+    register_attention_backend("inkling2_flex_decode", inkling2_flex_decode_attention, keys_in_any_order=False)
 
 
 _register_fast_backends()

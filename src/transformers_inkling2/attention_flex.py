@@ -17,13 +17,15 @@ its [queries, keys] score matrix:
   verification). Query heads are folded onto their key/value head ([B, 48, Q, D] -> [B, 8, 6Q, D]) so keys and
   values are read once per kv head; scores are materialized (they are small), the relative bias is scattered onto
   the at most `extent` keys each query can reach (no [Q, K] gather), and the sink enters the softmax denominator.
-  It does no host synchronization, so a decode step can be captured in a CUDA graph.
+  It does no host synchronization, so a decode step can be captured in a CUDA graph, and it also takes keys held
+  in a ring (the static cache's sliding-window layers).
 - `inkling2_flex_decode_attention` (registered as `"inkling2_flex_decode"`): prefill as `inkling2_flex`; 1-8
   queries through one FlexAttention call on the folded heads (head ratio 1), so that compiled flex can use its
   split-KV decoding kernel. Checked against eager on CPU; not yet run on a GPU.
 
-All need contiguous ascending positions (`query_positions = q0 + arange(Q)`, `key_positions = k0 + arange(K)`),
-which is what `Inkling2Attention` and `Inkling2Cache` produce; this is checked with an asynchronous device assert.
+All but the decode path need contiguous ascending positions (`query_positions = q0 + arange(Q)`,
+`key_positions = k0 + arange(K)`), which is what `Inkling2Attention` and `Inkling2Cache` produce; this is checked
+with an asynchronous device assert.
 
 Where it runs: on CUDA, FlexAttention is compiled once per process (`torch.compile(..., dynamic=True)`, offsets
 passed as 0-dim tensors, so new lengths do not recompile). On CPU it runs un-compiled (the reference math of
@@ -332,26 +334,25 @@ def inkling2_decode_attention(
 ) -> torch.Tensor:
     """Same contract as `eager_attention`, for a few queries (decode, speculative verification). Materializes the
     [B, H, Q, K] scores in fp32, which is small for Q <= 8; everything else is O(Q * extent) or O(K)."""
-    _check_contiguous_positions(query_positions, key_positions)
     batch, heads, query_length, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
     groups, extent = heads // kv_heads, relative_logits.shape[-1]
-    offset = query_positions[0] - key_positions[0]
 
     # Query head h = kv_head * groups + g reads kv head h // groups: rows of one kv head are (g, query).
     folded = query.reshape(batch, kv_heads, groups * query_length, head_dim)
     scores = torch.matmul(folded, key.transpose(2, 3)).float() * scaling
     scores = scores.view(batch, kv_heads, groups, query_length, key_length)
 
-    # Bias: query i reaches back `t < extent` tokens, to key index offset + i - t.
-    query_index = torch.arange(query_length, device=query.device)
-    reached = offset + query_index[:, None] - torch.arange(extent, device=query.device)[None, :]
-    in_keys = (reached >= 0) & (reached < key_length)
+    # Bias: query i reaches back `t < extent` tokens, to position p_i - t. Keys sit in ascending order or in a ring
+    # (slot = position mod K): either way position x is at index (x - key_positions[0]) mod K when it is held.
+    reached_positions = query_positions[:, None] - torch.arange(extent, device=query.device)[None, :]
+    reached = (reached_positions - key_positions[0]).remainder(key_length)
+    in_keys = key_positions[reached] == reached_positions
     bias = relative_logits.float().masked_fill(~in_keys, 0.0)
     bias = bias.view(batch, kv_heads, groups, query_length, extent)
-    scores.scatter_add_(-1, reached.clamp(0, key_length - 1).expand_as(bias), bias)
+    scores.scatter_add_(-1, reached.expand_as(bias), bias)
 
-    distance = offset + query_index[:, None] - torch.arange(key_length, device=query.device)[None, :]
+    distance = query_positions[:, None] - key_positions[None, :]
     visible = distance >= 0
     if sliding_window is not None:
         visible = visible & (distance < sliding_window)

@@ -141,7 +141,34 @@ class Inkling2LayerCache(CacheLayerMixin):
             self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
 
 
-class Inkling2Cache(Cache):
+class RollbackWithinMargin:
+    """Taking tokens back, for both Inkling2 caches (listed before `Cache` in their bases): at most
+    `rollback_margin` at a time, the tokens that sliding windows and convolutions still need beyond what they hold."""
+
+    rollback_margin: int
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Takes back the last `-tokens_to_remove` tokens."""
+        if tokens_to_remove > 0 or -tokens_to_remove > self.rollback_margin:
+            raise ValueError(
+                f"{type(self).__name__}.crop takes a negative count of at most {self.rollback_margin} tokens (its "
+                f"rollback margin), got {tokens_to_remove}. Build the cache with a larger `rollback_margin` for "
+                "longer drafts."
+            )
+        super().crop(tokens_to_remove)
+
+    def shift_rows_right(self, shifts: torch.Tensor) -> None:
+        """Row `b` drops its last `shifts[b]` tokens and gains as many padding slots at its start, so that every row
+        keeps the same length (and physical positions). Exact while `shifts <= rollback_margin`: in sliding-window
+        layers and convolutions the slots that turn to zeros are then already outside the window or kernel. The
+        caller shifts its 2-D padding mask the same way."""
+        if int(shifts.max()) > self.rollback_margin:
+            raise ValueError(f"Rows can move at most {self.rollback_margin} places (the rollback margin).")
+        for layer in self.layers:
+            layer.shift_rows_right(shifts)
+
+
+class Inkling2Cache(RollbackWithinMargin, Cache):
     """Keys/values and short-convolution inputs of every Inkling2 decoder layer; see the module docstring."""
 
     def __init__(self, config: Inkling2TextConfig, rollback_margin: int = DEFAULT_ROLLBACK_MARGIN, **kwargs):
@@ -157,30 +184,18 @@ class Inkling2Cache(Cache):
         ]
         super().__init__(layers=layers, **kwargs)
 
-    def convolution_context(self, layer_idx: int, conv_idx: int, new_inputs: torch.Tensor, kernel_size: int):
+    def convolution_context(self, layer_idx, conv_idx, new_inputs, kernel_size, query_positions=None):
         return self.layers[layer_idx].convolution_context(conv_idx, new_inputs, kernel_size)
 
-    def first_key_position(self, layer_idx: int) -> int:
-        return self.layers[layer_idx].first_key_position
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Takes back the last `-tokens_to_remove` tokens; at most `rollback_margin` at a time."""
-        if tokens_to_remove > 0 or -tokens_to_remove > self.rollback_margin:
-            raise ValueError(
-                f"Inkling2Cache.crop takes a negative count of at most {self.rollback_margin} tokens (its rollback "
-                f"margin), got {tokens_to_remove}. Build the cache with a larger `rollback_margin` for longer drafts."
-            )
-        super().crop(tokens_to_remove)
-
-    def shift_rows_right(self, shifts: torch.Tensor) -> None:
-        """Row `b` drops its last `shifts[b]` tokens and gains as many padding slots at its start, so that every row
-        keeps the same length (and physical positions). Exact while `shifts <= rollback_margin`: in sliding-window
-        layers and convolutions the slots that turn to zeros are then already outside the window or kernel. The
-        caller shifts its 2-D padding mask the same way."""
-        if int(shifts.max()) > self.rollback_margin:
-            raise ValueError(f"Rows can move at most {self.rollback_margin} places (the rollback margin).")
-        for layer in self.layers:
-            layer.shift_rows_right(shifts)
+    def attention_keys(self, layer_idx, keys, values, query_positions, attention_mask):
+        """Appends the step's keys/values; returns what the step attends to: (keys, values, key positions,
+        key padding or None, whether key positions ascend contiguously — always here). `attention_mask` is the
+        2-D padding mask over the cached and the new tokens."""
+        first_key_position = self.layers[layer_idx].first_key_position
+        keys, values = self.update(keys, values, layer_idx)
+        key_positions = torch.arange(keys.shape[2], device=keys.device) + first_key_position
+        key_padding = None if attention_mask is None else attention_mask[:, key_positions]
+        return keys, values, key_positions, key_padding, True
 
 
 __all__ = ["Inkling2Cache", "shift_rows_right"]

@@ -135,7 +135,9 @@ class Inkling2Experts(Inkling2ExpertsBase):
             elsewhere = (ids < 0) | (ids >= self.num_experts)
             ids = ids.masked_fill(elsewhere, self.num_experts)
         order = ids.argsort(stable=True)
-        ends = torch.bincount(ids, minlength=self.num_experts + 1)[: self.num_experts].cumsum(0).to(torch.int32)
+        # where each expert's rows end; searchsorted rather than bincount, which reads its maximum back to the host
+        experts = torch.arange(self.num_experts, device=ids.device)
+        ends = torch.searchsorted(ids[order], experts, right=True).to(torch.int32)
         sorted_x = x[order // top_k]
         if elsewhere is not None:
             elsewhere = elsewhere[order, None]

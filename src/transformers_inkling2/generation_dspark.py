@@ -27,7 +27,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.utils import ModelOutput
 
 from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, Inkling2Cache, shift_rows_right
-from .modeling_inkling2_dspark import ContextView, Inkling2DSparkContextCache
+from .decode_graphs import capture_graph
+from .modeling_inkling2_dspark import ContextView, Inkling2DSparkContextCache, Inkling2DSparkStaticContext
+from .static_cache_inkling2 import Inkling2StaticCache
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
@@ -118,14 +120,31 @@ def processed(logits_processor, prefix: torch.Tensor | None, logits: torch.Tenso
 class DSparkDecoder:
     """The decoding state between steps; `step()` is one draft-verify-commit round for the whole batch."""
 
-    def __init__(self, model, cache: Inkling2Cache, logits_processor, generation_config, options: DSparkOptions):
+    def __init__(self, model, cache, logits_processor, generation_config, options: DSparkOptions):
         self.model, self.cache, self.options = model, cache, options
+        # over a static cache on a GPU, verification passes replay as CUDA graphs (`generation_config.disable_compile`)
+        runner = None
+        if isinstance(cache, Inkling2StaticCache) and model._valid_auto_compile_criteria(
+            {"past_key_values": cache}, generation_config
+        ):
+            runner = model.get_compiled_call(generation_config.compile_config)
+        self.forward = runner or model
         self.drafter = model.dspark
         self.block_size = self.drafter.config.block_size
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
         self.pad_token_id = pad_token_id(generation_config)
-        self.context = Inkling2DSparkContextCache(len(self.drafter.layers), self.drafter.config.context_window)
+        context = Inkling2DSparkStaticContext if isinstance(cache, Inkling2StaticCache) else Inkling2DSparkContextCache
+        self.context = context(len(self.drafter.layers), self.drafter.config.context_window)
+        # the draft replays as a CUDA graph too when nothing in it needs the host: no logits processor reading the
+        # growing prefix, no confidence threshold deciding where to stop
+        self.draft_graph = None
+        self.graph_drafts = (
+            runner is not None
+            and runner.use_cuda_graphs
+            and not logits_processor
+            and options.confidence_threshold is None
+        )
         self.step_count = 0
         self.accepted_counts: list[int] = []
 
@@ -133,19 +152,23 @@ class DSparkDecoder:
 
     def target(self, attention_mask: torch.Tensor | None, **inputs):
         """A target forward over new tokens; `attention_mask` covers the cached and the new tokens (None: no padding)."""
-        return self.model(attention_mask=attention_mask, past_key_values=self.cache, use_cache=True, **inputs)
+        return self.forward(attention_mask=attention_mask, past_key_values=self.cache, use_cache=True, **inputs)
 
-    def remember_context(self, hidden_states: tuple[torch.Tensor, ...], keep: int) -> None:
-        """Context keys/values of the last `keep` positions the target just ran."""
+    def remember_context(self, hidden_states: tuple[torch.Tensor, ...], real: torch.Tensor) -> None:
+        """Context keys/values of the last positions the target just ran, `real` [batch, positions] saying which are
+        real tokens."""
+        keep = real.shape[1]
         features = self.drafter.context_features(tuple(h[:, -keep:] for h in hidden_states))
-        self.context.append(self.drafter.context_keys_values(features))
+        self.context.append(self.drafter.context_keys_values(features), real)
 
     def pick(self, scores: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(token, its distribution or None for an argmax) from processed scores [rows, vocab]."""
         if not sample:
             return scores.argmax(-1), None
         probabilities = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probabilities, 1).squeeze(-1), probabilities
+        # a draw from `probabilities`: argmax p_i / E_i over independent E_i ~ Exp(1) (no host sync, unlike
+        # torch.multinomial, so a draft can be captured in a CUDA graph)
+        return (probabilities / torch.empty_like(probabilities).exponential_()).argmax(-1), probabilities
 
     # --- prefill ----------------------------------------------------------------------------------------------------
 
@@ -178,7 +201,7 @@ class DSparkDecoder:
         )
         self.real_lengths = self.padding_mask.long().sum(-1)
         self.context.seen_tokens = length - keep
-        self.remember_context(output.hidden_states, keep)
+        self.remember_context(output.hidden_states, self.padding_mask[:, -keep:])
         scores = processed(self.logits_processor, input_ids, output.logits[:, -1], input_ids.device)
         first, _ = self.pick(scores, self.do_sample)
         return first
@@ -187,27 +210,43 @@ class DSparkDecoder:
 
     def draft(self, anchor: torch.Tensor, alive: list[bool]):
         """Drafts for every row: tokens [batch, L], draft distributions [batch, L, vocab] (None for argmax drafts)."""
+        device = self.drafter.fc.weight.device  # the drafter sits on one device (`_no_split_modules`)
+        anchor_position = torch.full((1,), self.cache.get_seq_length(), device=device)
+        if not self.graph_drafts:
+            drafts, distributions = self.draft_block(anchor.to(device), anchor_position, alive)
+        else:
+            if self.draft_graph is None:
+                self.draft_graph = CapturedDraft(self, anchor.to(device), anchor_position)
+            drafts, distributions = self.draft_graph(anchor, anchor_position)
+        return drafts.to(anchor.device), None if distributions is None else distributions.to(anchor.device)
+
+    def draft_block(self, anchor: torch.Tensor, anchor_position: torch.Tensor, alive: list[bool] | None):
+        """One drafter pass over `[anchor, mask, ...]` at `anchor_position` ([1]), then the head walks the block.
+        `alive` (the unfinished rows) only matters with a confidence threshold."""
         batch = anchor.shape[0]
         mask_id = self.drafter.config.mask_token_id
         block_ids = torch.cat([anchor[:, None], anchor.new_full((batch, self.block_size - 1), mask_id)], dim=1)
-        device = self.drafter.fc.weight.device  # the drafter sits on one device (`_no_split_modules`)
+        device = anchor.device
         embeddings = self.model.get_input_embeddings()(block_ids)[:, None].to(device)
-        seen = self.cache.get_seq_length()
-        key_positions = torch.arange(self.context.first_position, seen, device=device)
+        keys, values, key_positions, key_is_real = self.context.view()
         view = ContextView(
-            anchor_positions=torch.tensor([seen], device=device),
+            anchor_positions=anchor_position,
             key_positions=key_positions,
-            key_is_real=self.padding_mask.to(device)[:, key_positions],
+            key_is_real=key_is_real.to(device),
             block_size=self.block_size,
             window=self.drafter.config.context_window,
             num_buckets=self.drafter.config.distance_buckets,
         )
-        hidden = self.drafter.block_hidden_states(embeddings, self.context.keys, self.context.values, view)
+        hidden = self.drafter.block_hidden_states(embeddings, keys, values, view)
         base_logits = self.model.compute_logits(hidden).to(device)
         sample = self.do_sample and self.options.draft_sample_method == "probabilistic"
         state = self.drafter.initial_state(batch, hidden)
-        previous = anchor.to(device)
-        prefix = torch.cat([self.tokens, anchor[:, None]], dim=1).to(device) if self.logits_processor else None
+        previous = anchor
+        prefix = (
+            torch.cat([self.tokens, anchor[:, None].to(self.tokens.device)], 1).to(device)
+            if self.logits_processor
+            else None
+        )
         drafts, distributions = [], []
         for k in range(self.block_size):
             state, logits, confidence = self.drafter.head_step(state, previous, hidden[:, k], base_logits[:, k])
@@ -221,8 +260,7 @@ class DSparkDecoder:
             distributions.append(distribution)
             if prefix is not None:
                 prefix = torch.cat([prefix, previous[:, None]], dim=1)
-        drafts = torch.stack(drafts, dim=1).to(anchor.device)
-        return drafts, (torch.stack(distributions, dim=1).to(anchor.device) if sample else None)
+        return torch.stack(drafts, dim=1), (torch.stack(distributions, dim=1) if sample else None)
 
     def verify(self, anchor: torch.Tensor, drafts: torch.Tensor, draft_distributions: torch.Tensor | None):
         """Target pass over [anchor, drafts]; returns (accepted draft counts [batch], the target's next token per row,
@@ -271,7 +309,7 @@ class DSparkDecoder:
         batch's largest count, and a row that keeps fewer moves right, its rejected tokens turning into padding."""
         most, verified = max(kept), candidates.shape[1]
         self.cache.crop(most - verified)
-        self.remember_context(hidden_states, verified)
+        self.remember_context(hidden_states, torch.ones_like(candidates, dtype=torch.bool))
         self.context.crop(verified - most)
         self.padding_mask = torch.cat([self.padding_mask, torch.ones_like(candidates[:, :most], dtype=torch.bool)], 1)
         self.tokens = torch.cat([self.tokens, candidates[:, :most]], dim=1)
@@ -302,6 +340,27 @@ class DSparkDecoder:
         self.step_count += 1
         self.accepted_counts += [c - 1 for c, a in zip(counts, alive) if a]
         return new_tokens, counts
+
+
+class CapturedDraft:
+    """`DSparkDecoder.draft_block` as a CUDA graph over the static context rings: the anchor tokens and position are
+    copied into its input buffers, the graph replays, its outputs are read before the next draft. Runs eagerly
+    when the draft cannot be captured (a warning says why)."""
+
+    def __init__(self, decoder: DSparkDecoder, anchor: torch.Tensor, anchor_position: torch.Tensor):
+        self.decoder, self.anchor, self.anchor_position = decoder, anchor.clone(), anchor_position.clone()
+        run = functools.partial(decoder.draft_block, self.anchor, self.anchor_position, None)
+        # a pool of its own: the target's graphs must not reuse the memory of the drafts they verify
+        self.captured = capture_graph(run, torch.cuda.graph_pool_handle(), "DSpark draft")
+
+    def __call__(self, anchor: torch.Tensor, anchor_position: torch.Tensor):
+        self.anchor.copy_(anchor)
+        self.anchor_position.copy_(anchor_position)
+        if self.captured is None:
+            return self.decoder.draft_block(self.anchor, self.anchor_position, None)
+        graph, output = self.captured
+        graph.replay()
+        return output
 
 
 def tokens_to_keep(new_tokens, generated_lengths, budget, eos_ids, extra_criteria, sequence_of_row):
@@ -345,12 +404,17 @@ def dspark_decoding(
             f"{input_ids.shape[0]}. Stream batch 1, or drop the streamer."
         )
     cache = model_kwargs.get("past_key_values")
-    if not isinstance(cache, Inkling2Cache) or cache.get_seq_length() != 0:
-        raise ValueError("DSpark decoding starts from an empty Inkling2Cache (let generate() create it).")
-    decoder = DSparkDecoder(model, cache, logits_processor, generation_config, options or DSparkOptions())
+    if not isinstance(cache, (Inkling2Cache, Inkling2StaticCache)) or cache.get_seq_length() != 0:
+        raise ValueError("DSpark decoding starts from an empty Inkling2 cache (let generate() create it).")
     batch, prompt_length = input_ids.shape
     device = input_ids.device
     budget = generation_config.max_length - prompt_length
+    if isinstance(cache, Inkling2StaticCache) and batch > 1:
+        # rows that accept fewer tokens than the step's most gain padding: the stream grows by up to a whole block
+        # per step while such a row gains one token
+        block = model.dspark.config.block_size + 1
+        cache = model.static_cache(batch, max(cache.max_cache_len, prompt_length + block * (budget + 1)))
+    decoder = DSparkDecoder(model, cache, logits_processor, generation_config, options or DSparkOptions())
     eos = generation_config._eos_token_tensor
     eos_ids = set() if eos is None else set(eos.flatten().tolist())
     extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]

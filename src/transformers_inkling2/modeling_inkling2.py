@@ -107,6 +107,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             use_cache=use_cache,
             output_hidden_states=kwargs.get("output_hidden_states"),
             prefill_chunk_size=kwargs.get("prefill_chunk_size"),
+            cache_position=kwargs.get("cache_position"),
         )
         return Inkling2ModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,
@@ -116,7 +117,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
         )
 
 
-class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inkling2LanguageModelingMixin, GenerationMixin):
+class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2MultimodalPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {}
     _tp_plan = LM_HEAD_TP_PLAN
     _keys_to_ignore_on_load_unexpected = [r"^mtp\."]
@@ -159,6 +160,7 @@ class Inkling2ForConditionalGeneration(Inkling2MultimodalPreTrainedModel, Inklin
             use_cache=use_cache,
             output_hidden_states=kwargs.pop("output_hidden_states", None),
             prefill_chunk_size=kwargs.pop("prefill_chunk_size", None),
+            cache_position=kwargs.pop("cache_position", None),
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return Inkling2CausalLMOutputWithPast(

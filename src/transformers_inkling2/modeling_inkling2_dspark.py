@@ -4,7 +4,8 @@
 Data path of one draft:
 1. Context features: the outputs of the target's `target_layer_ids` at every committed position, concatenated,
    projected by `fc` and RMS-normalized. Each drafter layer turns them into keys/values once and keeps them in an
-   `Inkling2DSparkContextCache` (the last `context_window + 8` positions).
+   `Inkling2DSparkContextCache` (the last `context_window + 8` positions; `Inkling2DSparkStaticContext` keeps them
+   in fixed rings when decoding over the static cache).
 2. The block `[last committed token, mask x (block_size - 1)]`, embedded with the target's embedding plus a learned
    per-position embedding, goes through `num_draft_layers` decoder layers (`Inkling2DSparkLayer`). Their attention
    takes queries from the block and keys/values from the context and the block: every block position sees the whole
@@ -29,34 +30,30 @@ from torch import nn
 from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, keep_last, shift_rows_right
 from .configuration_inkling2 import Inkling2DSparkConfig
 from .norms import Inkling2RMSNorm
+from .static_cache_inkling2 import initial_slot_positions, shift_ring_rows_right
 
 HIDDEN = float("-inf")
 
 
 class Inkling2DSparkContextCache:
     """Per drafter layer, the keys and values ([batch, kv_heads, time, head_dim]) of the latest committed positions'
-    context features. Positions are the target cache's physical positions, so the target's 2-D padding mask says
-    which ones are real; rows move right together with the target cache (`shift_rows_right`)."""
+    context features, and whether each position is a real token of its row ([batch, time]). Positions are the target
+    cache's physical positions; rows move right together with the target cache (`shift_rows_right`)."""
 
     def __init__(self, num_layers: int, context_window: int, rollback_margin: int = DEFAULT_ROLLBACK_MARGIN):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.real: torch.Tensor | None = None
         self.max_positions = context_window + rollback_margin
         self.seen_tokens = 0
 
-    @property
-    def held(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
-
-    @property
-    def first_position(self) -> int:
-        return self.seen_tokens - self.held
-
-    def append(self, layer_keys_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def append(self, layer_keys_values: list[tuple[torch.Tensor, torch.Tensor]], real: torch.Tensor) -> None:
+        """The next positions' keys/values of every layer and their real-token flags [batch, new]."""
         for i, (keys, values) in enumerate(layer_keys_values):
             self.keys[i] = keep_last(self.keys[i], keys, 2, self.max_positions)
             self.values[i] = keep_last(self.values[i], values, 2, self.max_positions)
-        self.seen_tokens += layer_keys_values[0][0].shape[2]
+        self.real = keep_last(self.real, real, 1, self.max_positions)
+        self.seen_tokens += real.shape[1]
 
     def crop(self, count: int) -> None:
         """Drops the newest `count` positions."""
@@ -64,11 +61,58 @@ class Inkling2DSparkContextCache:
             return
         self.keys = [k[:, :, : k.shape[2] - count] for k in self.keys]
         self.values = [v[:, :, : v.shape[2] - count] for v in self.values]
+        self.real = self.real[:, : self.real.shape[1] - count]
         self.seen_tokens -= count
 
     def shift_rows_right(self, shifts: torch.Tensor) -> None:
         self.keys = [shift_rows_right(k, shifts, 2) for k in self.keys]
         self.values = [shift_rows_right(v, shifts, 2) for v in self.values]
+        self.real = shift_rows_right(self.real, shifts, 1)
+
+    def view(self):
+        """(keys per layer, values per layer, key positions [time], real flags [batch, time])."""
+        first = self.seen_tokens - self.real.shape[1]
+        return self.keys, self.values, torch.arange(first, self.seen_tokens, device=self.real.device), self.real
+
+
+class Inkling2DSparkStaticContext:
+    """The same in fixed buffers, for decoding over an `Inkling2StaticCache`: rings of `context_window +
+    rollback_margin` slots (slot = position mod size) written in place, so that a draft reads the same memory every
+    step and can be replayed as a CUDA graph. Never-written slots are not real; taken-back positions lie after the
+    next anchor, which never sees them."""
+
+    def __init__(self, num_layers: int, context_window: int, rollback_margin: int = DEFAULT_ROLLBACK_MARGIN):
+        self.num_layers = num_layers
+        self.capacity = self.max_positions = context_window + rollback_margin
+        self.keys: list[torch.Tensor] | None = None
+        self.values: list[torch.Tensor] | None = None
+        self.seen_tokens = 0
+
+    def append(self, layer_keys_values: list[tuple[torch.Tensor, torch.Tensor]], real: torch.Tensor) -> None:
+        if self.keys is None:
+            self.keys = [k.new_zeros(*k.shape[:2], self.capacity, k.shape[3]) for k, _ in layer_keys_values]
+            self.values = [v.new_zeros(*v.shape[:2], self.capacity, v.shape[3]) for _, v in layer_keys_values]
+            self.real = torch.zeros(real.shape[0], self.capacity, dtype=torch.bool, device=real.device)
+            self.positions = initial_slot_positions(self.capacity, real.device)
+        new = real.shape[1]
+        positions = torch.arange(self.seen_tokens, self.seen_tokens + new, device=real.device)[-self.capacity :]
+        slots = positions.remainder(self.capacity)
+        for ring_keys, ring_values, (keys, values) in zip(self.keys, self.values, layer_keys_values):
+            ring_keys.index_copy_(2, slots, keys[:, :, -self.capacity :])
+            ring_values.index_copy_(2, slots, values[:, :, -self.capacity :])
+        self.real.index_copy_(1, slots, real[:, -self.capacity :].bool())
+        self.positions.index_copy_(0, slots, positions)
+        self.seen_tokens += new
+
+    def crop(self, count: int) -> None:
+        self.seen_tokens -= max(0, count)
+
+    def shift_rows_right(self, shifts: torch.Tensor) -> None:
+        for ring, dim in [*((k, 2) for k in self.keys), *((v, 2) for v in self.values), (self.real, 1)]:
+            ring.copy_(shift_ring_rows_right(ring, self.positions, shifts, dim))
+
+    def view(self):
+        return self.keys, self.values, self.positions, self.real
 
 
 class Inkling2DSparkAttention(nn.Module):
@@ -252,4 +296,4 @@ class Inkling2DSparkDrafter(nn.Module):
         return like.new_zeros(rows, self.config.markov_rank)
 
 
-__all__ = ["Inkling2DSparkDrafter", "Inkling2DSparkContextCache"]
+__all__ = ["Inkling2DSparkDrafter", "Inkling2DSparkContextCache", "Inkling2DSparkStaticContext"]

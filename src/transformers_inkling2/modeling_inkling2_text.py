@@ -21,12 +21,14 @@ from transformers.utils import logging
 from .attention import get_attention_backend
 from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
+from .decode_graphs import Inkling2DecodeGraphs
 from .dspark_checkpoints import find_mtp_file, load_mtp_drafter
 from .experts import Inkling2Experts, Inkling2QuantizedExperts, softcap
 from .generation_dspark import DSparkOptions, dspark_decoding_method
 from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
 from .norms import Inkling2RMSNorm, rms_normalize
 from .quantized_checkpoints import attach_expert_quantization, validate_quantized_experts
+from .static_cache_inkling2 import DEFAULT_MAX_QUERIES, Inkling2StaticCache
 from .tensor_parallel import LM_HEAD_TP_PLAN, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -84,12 +86,12 @@ class Inkling2RelativeLogits(nn.Module):
 
 
 def convolution_context(
-    inputs: torch.Tensor, kernel_size: int, cache: Inkling2Cache | None, layer_idx: int, conv_idx: int
+    inputs: torch.Tensor, kernel_size: int, cache, layer_idx: int, conv_idx: int, query_positions: torch.Tensor
 ) -> torch.Tensor:
     """[batch, C, T] inputs preceded by the `kernel_size - 1` inputs before them (zeros at the sequence start)."""
     if cache is None:
         return F.pad(inputs, (kernel_size - 1, 0))
-    return cache.convolution_context(layer_idx, conv_idx, inputs, kernel_size)
+    return cache.convolution_context(layer_idx, conv_idx, inputs, kernel_size, query_positions)
 
 
 def zero_padding(x: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -105,10 +107,10 @@ class Inkling2ShortConvolution(nn.Module):
         self.kernel_size, self.layer_idx, self.conv_idx = kernel_size, layer_idx, conv_idx
         self.conv1d = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
 
-    def forward(self, x, token_mask=None, cache=None):
+    def forward(self, x, token_mask=None, cache=None, query_positions=None):
         x32 = x.float()
         inputs = zero_padding(x32, token_mask).transpose(1, 2)
-        context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx)
+        context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx, query_positions)
         weight = local_tensor(self.conv1d.weight).float()  # this rank's channels under tensor parallelism
         convolved = F.conv1d(context, weight, groups=context.shape[1]).transpose(1, 2)
         return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)
@@ -126,12 +128,12 @@ class Inkling2DynamicShortConvolution(nn.Module):
         self.static_weight = nn.Parameter(torch.zeros(kernel_size, channels))
         self.weight_proj = nn.Linear(input_size, num_heads * kernel_size, bias=False)
 
-    def forward(self, x, tap_input, token_mask=None, cache=None):
+    def forward(self, x, tap_input, token_mask=None, cache=None, query_positions=None):
         batch, length, channels = x.shape
         k = self.kernel_size
         x32 = x.float()
         inputs = zero_padding(x32, token_mask).transpose(1, 2)
-        context = convolution_context(inputs, k, cache, self.layer_idx, self.conv_idx)
+        context = convolution_context(inputs, k, cache, self.layer_idx, self.conv_idx, query_positions)
         # lagged[b, t, c, lag] = input of token t - lag
         lagged = context.unfold(-1, k, 1).flip(-1).transpose(1, 2)
         per_token_taps = self.weight_proj(tap_input).float().view(batch, length, -1, 1, k)
@@ -209,11 +211,11 @@ class Inkling2Attention(nn.Module):
         token_mask = None if attention_mask is None else attention_mask[:, -length:]
 
         if self.is_sliding:
-            keys = self.k_sconv(self.k_proj(key_input), token_mask, cache)
-            values = self.v_sconv(self.v_proj(value_input), token_mask, cache)
+            keys = self.k_sconv(self.k_proj(key_input), token_mask, cache, query_positions)
+            values = self.v_sconv(self.v_proj(value_input), token_mask, cache, query_positions)
         else:
-            keys = self.k_sconv(self.k_proj(key_input), key_input, token_mask, cache)
-            values = self.v_sconv(self.v_proj(value_input), value_input, token_mask, cache)
+            keys = self.k_sconv(self.k_proj(key_input), key_input, token_mask, cache, query_positions)
+            values = self.v_sconv(self.v_proj(value_input), value_input, token_mask, cache, query_positions)
 
         queries = self.q_l2_clip(self.q_proj(query_input).view(batch, length, -1, self.head_dim))
         relative_states = self.rel_l2_clip(self.r_proj(query_input).view(batch, length, -1, self.config.d_rel))
@@ -227,14 +229,12 @@ class Inkling2Attention(nn.Module):
         values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
         values = values.to(dtype).transpose(1, 2)
 
-        first_key_position = query_positions[0]
+        key_positions, key_padding, in_order = query_positions, attention_mask, True
         if cache is not None:
-            first_key_position = cache.first_key_position(self.layer_idx)
-            keys, values = cache.update(keys, values, self.layer_idx)
-        key_positions = torch.arange(keys.shape[2], device=keys.device) + first_key_position
-        key_padding = None if attention_mask is None else attention_mask[:, key_positions]
-
-        attention = get_attention_backend(self.config._attn_implementation)
+            keys, values, key_positions, key_padding, in_order = cache.attention_keys(
+                self.layer_idx, keys, values, query_positions, attention_mask
+            )
+        attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
         output = attention(
             queries,
             keys,
@@ -365,7 +365,8 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
             query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
-        attention_output = self.post_attention_convolution(attention_output, token_mask, cache).float()
+        attention_output = self.post_attention_convolution(attention_output, token_mask, cache, query_positions)
+        attention_output = attention_output.float()
 
         if self.opens_block:
             blocks = [*blocks, rms_normalize(partial, 1e-6)]
@@ -375,7 +376,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
 
         mlp_input = self.mlp_input(blocks, partial)[0]
         mlp_output = self.mlp(self.post_attention_layernorm(mlp_input).to(dtype))
-        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache)
+        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache, query_positions)
         return (partial + mlp_output.float()).to(dtype), blocks
 
 
@@ -509,6 +510,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         prefill_chunk_size: int | None = None,
+        cache_position: torch.LongTensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
@@ -517,7 +519,9 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
         `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
         block, the stream that speculative drafters tap), the last one after the final readout and norm, as
-        transformers models do."""
+        transformers models do. `cache_position` ([new tokens]) gives the new tokens' stream positions on the device
+        (default: right after the cached tokens), which a captured decode step reads instead of a host count; with an
+        `Inkling2StaticCache`, `attention_mask` may then hold just the new tokens' columns."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if inputs_embeds is None:
@@ -529,10 +533,11 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             use_cache, past_key_values = False, None
         if use_cache and past_key_values is None:
             past_key_values = Inkling2Cache(self.config)
-        if past_key_values is not None and not isinstance(past_key_values, Inkling2Cache):
+        if past_key_values is not None and not isinstance(past_key_values, (Inkling2Cache, Inkling2StaticCache)):
             raise TypeError(
-                f"Inkling2 needs an `Inkling2Cache` (it also holds short-convolution states), got "
-                f"{type(past_key_values).__name__}. Pass `past_key_values=None` or an `Inkling2Cache(config)`."
+                f"Inkling2 needs an `Inkling2Cache` or `Inkling2StaticCache` (they also hold short-convolution "
+                f"states), got {type(past_key_values).__name__}. Pass `past_key_values=None` or an "
+                "`Inkling2Cache(config)`."
             )
 
         batch, length, _ = inputs_embeds.shape
@@ -541,10 +546,15 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
             )
         past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
-        query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
+        query_positions = cache_position
+        if query_positions is None:
+            query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
         if position_ids is None:
             position_ids = query_positions[None]
-        attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
+        if isinstance(past_key_values, Inkling2StaticCache):  # it keeps the padding of the cached tokens itself
+            attention_mask = self._new_tokens_mask(attention_mask, batch, length)
+        else:
+            attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
 
         partial, blocks = inputs_embeds, []
         layer_outputs = [inputs_embeds]
@@ -601,11 +611,23 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
         return None if bool(attention_mask.all()) else attention_mask.bool()
 
+    @staticmethod
+    def _new_tokens_mask(attention_mask, batch: int, length: int) -> torch.Tensor | None:
+        """The new tokens' columns of a 2-D mask, without looking at the values (no host synchronization)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
+            raise ValueError(
+                f"Inkling2 takes a 2-D padding mask of shape [batch, past + new tokens] (or [batch, new tokens] with a "
+                f"static cache); got {tuple(attention_mask.shape)} for {batch} rows of {length} new tokens."
+            )
+        return attention_mask[:, -length:].bool()
+
 
 class Inkling2LanguageModelingMixin:
     """What every Inkling2 model with an `lm_head` shares: the logits, the cache that generate() uses, and the
-    bundled DSpark drafter with `generate(dspark=True)`. Listed before `GenerationMixin` in the bases, whose cache
-    preparation and `generate` it specializes."""
+    bundled DSpark drafter with `generate(dspark=True)`. Listed first in the bases: it specializes `generate` and
+    the cache preparation of `GenerationMixin` and the PreTrainedModel's `get_compiled_call`."""
 
     def init_dspark(self, config: Inkling2TextConfig) -> None:
         """The drafter when the config describes one (`dspark_config`); it reads this model's hidden states and
@@ -674,21 +696,55 @@ class Inkling2LanguageModelingMixin:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **loss_kwargs)
         return logits, loss
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache."""
-        wants_own_cache = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-        if wants_own_cache and generation_config.cache_implementation is not None:
-            raise ValueError(
-                f"Inkling2 decodes with its own `Inkling2Cache`; `cache_implementation="
-                f"{generation_config.cache_implementation!r}` is not supported. Leave it unset."
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int
+    ):
+        """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache, or with
+        `cache_implementation="static"` an `Inkling2StaticCache`, whose decode steps replay as CUDA graphs on GPUs."""
+        implementation = generation_config.cache_implementation
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
-        if wants_own_cache:
+        if implementation not in (None, "dynamic", "static"):
+            raise ValueError(
+                f"Inkling2 decodes with its own caches: `cache_implementation` None/'dynamic' (`Inkling2Cache`) or "
+                f"'static' (`Inkling2StaticCache`, CUDA graphs on GPUs); got {implementation!r}."
+            )
+        if implementation != "static":
             model_kwargs["past_key_values"] = Inkling2Cache(self.config.get_text_config())
             return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        rows = max(generation_config.num_beams, generation_config.num_return_sequences) * batch_size
+        # room for the last token and for one speculative block past it (DSpark verifies up to 8 at a time)
+        length = max(max_cache_length, generation_config.max_cache_len or 0) + 1 + DEFAULT_MAX_QUERIES
+        model_kwargs["past_key_values"] = self.static_cache(rows, length)
+
+    def static_cache(self, batch_size: int, max_cache_len: int) -> Inkling2StaticCache:
+        """An empty static cache for this batch and length: the previous one, reset, when it has that size (its
+        buffers and captured graphs are reused), else a new one."""
+        size = (batch_size, max_cache_len, self.device, self.dtype)
+        if getattr(self, "_static_cache_size", None) != size:
+            self._static_cache = Inkling2StaticCache(self.config.get_text_config(), max_cache_len, batch_size)
+            self._static_cache_size = size
+        self._static_cache.reset()
+        return self._static_cache
+
+    @staticmethod
+    def create_masks_for_generate(attention_mask=None, **kwargs):
+        """generate() builds 4-D masks for compileable caches; Inkling2 takes the 2-D padding mask as it is (the
+        static cache keeps the padding of the cached tokens itself)."""
+        return attention_mask
+
+    def get_compiled_call(self, compile_config):
+        """generate() asks for a compiled forward for the decode steps when the cache is static and the model is on a
+        GPU (`disable_compile=True` in the generation config turns that off): Inkling2 answers with its CUDA-graph
+        runner (`decode_graphs`), exact against the eager step, instead of `torch.compile`."""
+        if getattr(self, "_decode_graphs", None) is None:
+            self._decode_graphs = Inkling2DecodeGraphs(self)
+        return self._decode_graphs
 
 
-class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin, GenerationMixin):
+class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel, GenerationMixin):
     config: Inkling2TextConfig
     _tied_weights_keys = {}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -714,6 +770,7 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
         prefill_chunk_size: int | None = None,
+        cache_position: torch.LongTensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -725,6 +782,7 @@ class Inkling2ForCausalLM(Inkling2PreTrainedModel, Inkling2LanguageModelingMixin
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             prefill_chunk_size=prefill_chunk_size,
+            cache_position=cache_position,
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(

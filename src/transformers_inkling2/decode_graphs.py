@@ -1,0 +1,162 @@
+"""Inkling2 decode steps replayed as CUDA graphs.
+
+An eager decode step of the full model launches well over a thousand small kernels; on a GPU the host cannot
+issue them as fast as the GPU runs them. Over an `Inkling2StaticCache` every shape of a step is fixed, so the
+step is captured once per shape and then replayed with one launch:
+
+- the tensors of a call (token ids, position ids, the new tokens' mask columns and their stream positions as
+  `cache_position`) are copied into the graph's own input buffers, the graph replays, and the cache's host-side
+  length moves on (`Inkling2StaticCache.advance`);
+- full-attention layers attend over the first `bucket` slots of their cache, the smallest power of two
+  (>= `MIN_BUCKET`) that holds the cached and new tokens: one graph per bucket, so a step reads at most about
+  twice the keys it needs, and a 262k-token cache does not cost a 262k-key read at position 100;
+- graphs live with the cache they read (`cache.graphs`); generate() reuses a static cache of the same size
+  between calls, and with it the graphs.
+
+Steps the graphs do not cover run eagerly, with identical results: prompts (more than `cache.max_queries` new
+tokens), images, CPU tensors, and steps that cannot be captured (a warning says why). `use_cuda_graphs=False` runs every step through the same static buffers eagerly
+(the CPU tests use it to check the bookkeeping against the plain forward).
+
+A replay's outputs live in the graph's memory: they are valid until the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from .static_cache_inkling2 import Inkling2StaticCache
+
+logger = logging.get_logger(__name__)
+
+MIN_BUCKET = 1024
+WARMUP_CALLS = 2  # before a capture: cuBLAS workspaces, Triton autotuning and compiled FlexAttention settle here
+
+
+def attend_bucket(needed: int, capacity: int, minimum: int = MIN_BUCKET) -> int:
+    """The full layers' attention span for a step that ends at `needed` tokens."""
+    return min(capacity, max(minimum, 1 << max(0, needed - 1).bit_length()))
+
+
+@contextmanager
+def replaying(cache: Inkling2StaticCache, bucket: int) -> Iterator[None]:
+    """A forward over the static buffers that leaves the host-side length as it was (the caller advances it)."""
+    lengths = [layer.seen_tokens for layer in cache.layers]
+    cache.attend_length = bucket
+    try:
+        yield
+    finally:
+        cache.attend_length = None
+        for layer, length in zip(cache.layers, lengths):
+            layer.seen_tokens = length
+
+
+@dataclass
+class CapturedStep:
+    inputs: dict[str, torch.Tensor]
+    options: dict
+    bucket: int
+    graph: torch.cuda.CUDAGraph | None
+    output: object = None
+
+
+class Inkling2DecodeGraphs:
+    """Callable like the model (`runner(**model_inputs)`); see the module docstring."""
+
+    def __init__(self, model, use_cuda_graphs: bool = True, min_bucket: int = MIN_BUCKET):
+        self.model, self.use_cuda_graphs, self.min_bucket = model, use_cuda_graphs, min_bucket
+
+    def __call__(self, **inputs):
+        cache = inputs.get("past_key_values")
+        step_inputs = self.static_inputs(cache, inputs)
+        if step_inputs is None:
+            return self.model(**inputs)
+        tensors, options, new_tokens = step_inputs
+        bucket = attend_bucket(cache.get_seq_length() + new_tokens, cache.max_cache_len, self.min_bucket)
+        shapes = tuple((name, t.shape, t.dtype) for name, t in tensors.items())
+        key = (bucket, shapes, tuple(options.items()), self.use_cuda_graphs)
+        step = cache.graphs.get(key)
+        if step is None:
+            step = cache.graphs[key] = self.capture(cache, tensors, options, bucket)
+        else:
+            for name, tensor in tensors.items():
+                step.inputs[name].copy_(tensor)
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            with replaying(cache, bucket):
+                step.output = self.model(past_key_values=cache, **step.inputs, **step.options)
+        cache.advance(new_tokens)
+        return step.output
+
+    def static_inputs(self, cache, inputs: dict):
+        """(tensors, other options, new tokens) of a step the graphs cover, else None."""
+        if not isinstance(cache, Inkling2StaticCache) or inputs.get("pixel_values") is not None:
+            return None
+        tokens = inputs.get("input_ids") if inputs.get("inputs_embeds") is None else inputs["inputs_embeds"]
+        if tokens is None or tokens.device.type != "cuda" and self.use_cuda_graphs:
+            return None
+        new_tokens = tokens.shape[1]
+        if new_tokens > cache.max_queries or cache.get_seq_length() + new_tokens > cache.max_cache_len:
+            return None
+        tensors, options = {}, {}
+        for name, value in inputs.items():
+            if name == "past_key_values" or value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value[:, -new_tokens:] if name == "attention_mask" else value
+            elif isinstance(value, (bool, int, float, str)):
+                options[name] = value
+            else:
+                return None  # not something a graph can take as an input
+        if "cache_position" not in tensors:
+            seen = cache.get_seq_length()
+            tensors["cache_position"] = torch.arange(seen, seen + new_tokens, device=tokens.device)
+        return tensors, options, new_tokens
+
+    def capture(self, cache: Inkling2StaticCache, tensors: dict, options: dict, bucket: int) -> CapturedStep:
+        """Buffers for the step's inputs (holding this call's values); on CUDA, warm-up calls and the capture. Every
+        call writes the same cache slots with the same values, so the warm-up leaves the cache as the replay will."""
+        step = CapturedStep({name: t.clone() for name, t in tensors.items()}, options, bucket, None)
+        if not self.use_cuda_graphs:
+            return step
+
+        def forward():
+            with replaying(cache, bucket):
+                return self.model(past_key_values=cache, **step.inputs, **options)
+
+        if cache.graph_pool is None:
+            cache.graph_pool = torch.cuda.graph_pool_handle()
+        captured = capture_graph(forward, cache.graph_pool, "decode step")
+        if captured is not None:
+            step.graph, step.output = captured
+        return step
+
+
+def capture_graph(run, pool, what: str):
+    """(graph, output) of `run()` captured after warm-up calls on a side stream, or None (with a warning) when the
+    calls cannot be captured; their callers then run eagerly."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = run()
+    except RuntimeError as error:  # e.g. torch._grouped_mm on fp32 experts reads its offsets on the host
+        logger.warning_once(
+            f"Inkling2 could not capture its {what} in a CUDA graph ({str(error).splitlines()[0]}); it runs eagerly "
+            "(same results, slower). BF16 models capture."
+        )
+        return None
+    return graph, output
+
+
+__all__ = ["Inkling2DecodeGraphs", "attend_bucket", "capture_graph"]

@@ -165,7 +165,8 @@ def measure(model, args, device) -> dict:
         for batch in args.decode_batch:
             cache = Inkling2Cache(model.config)
             ids = prompt(batch, args.context, vocab, device)
-            next_token = model(ids, past_key_values=cache, logits_to_keep=1, prefill_chunk_size=args.prefill_chunk)
+            chunk = max(1, args.prefill_chunk // batch)  # a chunk's relative logits stay under 2^31 elements
+            next_token = model(ids, past_key_values=cache, logits_to_keep=1, prefill_chunk_size=chunk)
             next_token = next_token.logits[:, -1:].argmax(-1)
 
             def step():

@@ -149,6 +149,8 @@ def check(name: str, folder: Path, report: dict, training: bool = False, attenti
         "greedy_tokens": tokens[:, -NEW_TOKENS:].tolist(),
         # the drafter is replicated; every rank sees the same all-reduced logits, so all accept the same drafts
         "dspark_greedy_equal": torch.equal(greedy(split, dspark=True), expected_tokens),
+        # the static cache sizes its buffers from the local kv heads and channels
+        "static_cache_greedy_equal": torch.equal(greedy(split, cache_implementation="static"), expected_tokens),
     }
     if name == "bf16":  # what `inkling2 plan` counts: the model in BF16 (fp32-kept modules in fp32)
         result["held_bytes_bf16"] = held_bytes(load(Inkling2ForCausalLM, folder, tp_plan="auto", dtype=torch.bfloat16))

@@ -64,6 +64,7 @@ def test_split_model_gives_the_single_process_logits_and_greedy_generation(repor
         assert rank[checkpoint]["logits"] < TOLERANCE
         assert rank[checkpoint]["greedy_equal"]
         assert rank[checkpoint]["dspark_greedy_equal"]
+        assert rank[checkpoint]["static_cache_greedy_equal"]
     assert report[0][checkpoint]["greedy_tokens"] == report[1][checkpoint]["greedy_tokens"]
 
 

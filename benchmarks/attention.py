@@ -62,6 +62,7 @@ def guarded(fn):
         return OOM
     except RuntimeError as error:  # cuBLAS / cuDNN allocation failures arrive as RuntimeError
         free_memory()
+        print(f"guarded: {type(error).__name__}: {str(error)[:400]}", file=sys.stderr, flush=True)
         if "out of memory" in str(error).lower() or "alloc" in str(error).lower():
             return OOM
         return f"error: {type(error).__name__}: {str(error)[:160]}"
@@ -379,6 +380,7 @@ def main():
     parser.add_argument("--longest-budget-s", type=float, default=120.0)
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
+    parser.add_argument("--skip-attention", action="store_true", help="model slice prefill only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
@@ -386,7 +388,9 @@ def main():
     args.repeats = 2 if args.quick else 3
     started = time.time()
 
-    attention_rows = attention_microbenchmark([8192] if args.quick else [8192, 32768], args.repeats)
+    attention_rows = [] if args.skip_attention else attention_microbenchmark(
+        [8192] if args.quick else [8192, 32768], args.repeats
+    )
     report = [f"# Inkling2 attention prefill benchmark\n\n{environment()}; command: `python3 benchmarks/attention.py"
               f"{' --quick' if args.quick else ''}`\n",
               "## One attention call (batch 1, bf16, 48 q / 8 kv heads, head_dim 128, window = extent = 1024)\n",

@@ -143,7 +143,7 @@ def attention_decode_benchmark(key_counts, batches, repeats, with_flex_decode=Tr
 
 
 def model_decode_benchmark(args) -> list[dict]:
-    from transformers_inkling2 import Inkling2Cache
+    from transformers_inkling2 import Inkling2Cache, Inkling2DecodeGraphs, Inkling2StaticCache
 
     ours, oracle = build_models(args.experts, with_oracle=not args.no_oracle)
     generator = torch.Generator(device=DEVICE).manual_seed(2)
@@ -162,16 +162,24 @@ def model_decode_benchmark(args) -> list[dict]:
 
     def decode_steps(model, cache, batch):
         tokens = torch.randint(0, 8000, (batch, 1), device=DEVICE, generator=generator)
+        # over the static cache, the step replays a CUDA graph (captured in the warm-up calls)
+        forward = Inkling2DecodeGraphs(model.model) if isinstance(cache, Inkling2StaticCache) else model.model
 
         def step():
             with torch.no_grad():
-                model.model(tokens, past_key_values=cache, use_cache=True)
+                forward(input_ids=tokens, past_key_values=cache, use_cache=True)
 
         return cuda_ms(step, warmup=2, repeats=args.steps)
 
+    static_length = args.context + 2 * args.steps + 16
     candidates = [
         (f"ours ({backend})", ours, lambda: Inkling2Cache(ours.config), backend)
         for backend in ("inkling2_flex", "inkling2_flex_decode", "eager")
+        if args.flex_decode or backend != "inkling2_flex_decode"
+    ] + [
+        (f"ours ({backend}, static cache, CUDA graph)", ours, lambda: Inkling2StaticCache(ours.config, static_length),
+         backend)
+        for backend in ("inkling2_flex", "inkling2_flex_decode")
         if args.flex_decode or backend != "inkling2_flex_decode"
     ]
     if oracle is not None:
@@ -207,6 +215,7 @@ def main():
     parser.add_argument("--context", type=int, default=4096, help="tokens per row before the timed decode steps")
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
+    parser.add_argument("--skip-attention", action="store_true", help="model slice only")
     parser.add_argument("--no-flex-decode", dest="flex_decode", action="store_false",
                         help="leave out inkling2_flex_decode (not yet validated on a GPU)")
     args = parser.parse_args()
@@ -219,7 +228,9 @@ def main():
     started = time.time()
 
     key_counts = [8192, 32768] if args.quick else [8192, 32768, 131072]
-    attention_rows = attention_decode_benchmark(key_counts, args.batches, 5 if args.quick else 20, args.flex_decode)
+    attention_rows = [] if args.skip_attention else attention_decode_benchmark(
+        key_counts, args.batches, 5 if args.quick else 20, args.flex_decode
+    )
     report = [f"# Inkling2 decode benchmark\n\n{environment()}; command: `python3 benchmarks/decode.py"
               f"{' --quick' if args.quick else ''}`\n",
               "## One attention call (bf16, 48 q / 8 kv heads, head_dim 128, extent 1024)\n",
@@ -233,7 +244,9 @@ def main():
         model_rows = model_decode_benchmark(args)
         report += [f"\n## One decode step of a 6-layer slice (5 sliding + 1 full, hidden 4608, {args.experts} BF16 "
                    f"experts, top-8), after {args.context} tokens per row\n",
-                   "Eager PyTorch launches (no CUDA graph, no torch.compile); ms per layer = step / 6.\n",
+                   "Eager PyTorch launches unless the row says CUDA graph (`Inkling2StaticCache` + "
+                   "`Inkling2DecodeGraphs`, what `generate(cache_implementation=\"static\")` runs); ms per layer = "
+                   "step / 6.\n",
                    markdown_table(["model", "batch", "step ms", "ms per layer", "peak GiB"],
                                   [[r["model"], r["batch"], fmt(r["step_ms"], ".2f"), fmt(r.get("ms_per_layer"), ".3f"),
                                     fmt(r.get("peak_gib"), ".1f")] for r in model_rows])]

@@ -14,7 +14,8 @@ only the first part; prompts come from the held-out topics.
 3. bf16 generation at batch 1 from held-out prompts of 64 tokens, `--new-tokens` each: plain `generate()` and
    `generate(dspark=True)`, at temperature 0 (greedy) and 1 (sampling); mean accepted length per step (the target's
    own token included), position acceptance, tokens/s (wall clock around generate(), CUDA synchronized), and for
-   greedy how many tokens DSpark's output shares with plain greedy decoding.
+   greedy how many tokens DSpark's output shares with plain greedy decoding. With `--cache static` (the default)
+   generate() runs over `Inkling2StaticCache`: decode steps and verification passes replay as CUDA graphs.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -176,7 +177,8 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, seed: int):
+def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, seed: int, cache: str = "static"):
+    """`cache="static"`: decode steps and verification passes replay as CUDA graphs on a GPU."""
     torch.manual_seed(seed)
     synchronize()
     start = time.perf_counter()
@@ -191,25 +193,27 @@ def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, s
         pad_token_id=0,
         dspark=dspark,
         return_dict_in_generate=True,
+        cache_implementation=cache,
     )
     synchronize()
     return out.sequences[0, prompt.shape[1] :], time.perf_counter() - start, out
 
 
-def evaluate(model, held_out, prompts: int, new_tokens: int, results: dict, save) -> None:
+def evaluate(model, held_out, prompts: int, new_tokens: int, results: dict, save, cache: str) -> None:
     """Fills `results[temperature]`, saving after each temperature (a run cut short keeps what it measured)."""
     starts = torch.linspace(0, len(held_out) - PROMPT_TOKENS - 1, prompts).long().tolist()
     prompt_list = [held_out[s : s + PROMPT_TOKENS][None].to(DEVICE) for s in starts]
-    timed_generate(model, prompt_list[0], 16, False, False, 0)  # warm-up
-    timed_generate(model, prompt_list[0], 16, False, True, 0)
+    # warm-up at the measured length: a static cache of that size and its captured graphs are then reused
+    timed_generate(model, prompt_list[0], new_tokens, False, False, 0, cache)
+    timed_generate(model, prompt_list[0], new_tokens, False, True, 0, cache)
     for temperature, sample in (("0", False), ("1", True)):
         plain_time = dspark_time = 0.0
         plain_tokens = dspark_tokens = shared = 0
         accepted_lengths, position_acceptance = [], []
         for i, prompt in enumerate(prompt_list):
-            plain, seconds, _ = timed_generate(model, prompt, new_tokens, sample, False, i)
+            plain, seconds, _ = timed_generate(model, prompt, new_tokens, sample, False, i, cache)
             plain_time, plain_tokens = plain_time + seconds, plain_tokens + len(plain)
-            drafted, seconds, out = timed_generate(model, prompt, new_tokens, sample, True, i)
+            drafted, seconds, out = timed_generate(model, prompt, new_tokens, sample, True, i, cache)
             dspark_time, dspark_tokens = dspark_time + seconds, dspark_tokens + len(drafted)
             accepted_lengths.append(out.mean_accepted_length)
             position_acceptance.append(out.position_acceptance)
@@ -255,7 +259,7 @@ def report(summary: dict) -> str:
         f"verification pass (8 tokens) {summary['step_costs']['verify_step_ms']:.1f} ms, draft "
         f"{summary['step_costs']['draft_ms']:.1f} ms.\n"
         f"Generation: batch 1, {summary['prompts']} held-out prompts of {PROMPT_TOKENS} tokens, "
-        f"{summary['new_tokens']} new tokens each, bf16.\n\n"
+        f"{summary['new_tokens']} new tokens each, bf16, `cache_implementation=\"{summary['cache']}\"`.\n\n"
     )
     return head + "\n".join(lines) + "\n"
 
@@ -268,6 +272,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--cache", choices=("static", "dynamic"), default="static",
+                        help="generate()'s cache_implementation: static replays decode steps as CUDA graphs")
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -319,7 +325,8 @@ def main() -> None:
         generation={},
     )
     save()
-    evaluate(model, held_out, args.prompts, args.new_tokens, summary["generation"], save)
+    summary["cache"] = args.cache
+    evaluate(model, held_out, args.prompts, args.new_tokens, summary["generation"], save, args.cache)
     text = report(summary)
     print(text)
     (out / "dspark.md").write_text(text)

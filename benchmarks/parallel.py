@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import markdown_table  # noqa: E402
+from random_weights import expert_format_of, fill_random_, seeded_generator  # noqa: E402
 
 PROMPT_TOKENS, COMPARED_POSITIONS, GREEDY_TOKENS = 512, 16, 32
 
@@ -58,44 +59,14 @@ def slice_config(layers: int, mxfp8_layers: int, quick: bool):
 
 
 def fill_randomly_(model, seed: int = 0) -> None:
-    """Random weights without a dequantized copy: float tensors ~ N(0, 0.02) (norms and scales around 1), packed
-    NVFP4 codes uniform, E4M3 block scales and E8M0 exponents in a range that keeps the weights around 0.02."""
-    import re
-
-    from transformers_inkling2.experts import Inkling2QuantizedExperts
-
+    """Random weights without a dequantized copy (`random_weights.fill_random_`), tensor by tensor."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    generator = torch.Generator(device=device).manual_seed(seed)
-    torch.manual_seed(seed)
-
-    def draw(tensor, low, high):  # random bytes in [low, high), expert by expert (bounded temporary memory)
-        for expert in tensor:
-            values = torch.randint(low, high, expert.shape, generator=generator, device=device, dtype=torch.uint8)
-            expert.view(torch.uint8).copy_(values)
-
-    with torch.no_grad():
-        packed = set()
-        for module in model.modules():
-            if not isinstance(module, Inkling2QuantizedExperts):
-                continue
-            for matrix in ("gate_up_proj", "down_proj"):
-                weight, scale = getattr(module, matrix), getattr(module, f"{matrix}_scale")
-                if module.format == "nvfp4":
-                    draw(weight, 0, 256)  # two E2M1 codes per byte, every byte valid
-                    draw(scale, 0x30, 0x40)  # E4M3 0.5 .. 1.9
-                    getattr(module, f"{matrix}_scale_2").fill_(0.01)
-                else:
-                    draw(weight, 0, 0x48)  # E4M3 magnitudes up to 4 (positive: sign bit added below)
-                    weight.view(torch.uint8).bitwise_or_(torch.randint_like(weight.view(torch.uint8), 0, 2) << 7)
-                    draw(scale, 121, 122)  # E8M0 2^-6
-                packed.update(id(t) for t in module.buffers())
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if id(tensor) in packed or not tensor.is_floating_point():
-                continue
-            values = torch.randn(tensor.shape, generator=generator, device=device) * 0.02
-            if re.search(r"(l2_clip\.scale|norm[^.]*\.weight)$", name):
-                values += 1.0
-            tensor.copy_(values.to(tensor.dtype))
+    for module_name, module in model.named_modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            full_name = f"{module_name}.{name}"
+            local = tensor.data.to(device)
+            fill_random_(local, full_name, expert_format_of(module), seeded_generator(full_name, device, seed))
+            tensor.data.copy_(local)
 
 
 def build(args) -> None:

@@ -165,3 +165,24 @@ def test_unsplit_model_is_unchanged():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     ids = torch.randint(0, 8, (5, 2))
     assert experts.to(torch.bfloat16)(x, ids, torch.rand(5, 2)).dtype == torch.bfloat16
+
+
+def test_full_scale_benchmark_builds_split_and_measures(tmp_path):
+    """`benchmarks/full_scale.py --quick` (the full-model script at toy width): built straight into its blocks on one
+    and on two ranks, every measurement taken; a rank of two holds less than the whole model and more than half
+    (attention and experts split, embedding and norms replicated)."""
+    script = Path(__file__).parents[1] / "benchmarks" / "full_scale.py"
+    held = {}
+    for ranks in (1, 2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                   str(script), "--quick", "--out", str(tmp_path / str(ranks))]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        per_rank = json.loads((tmp_path / str(ranks) / "full_scale.json").read_text())["per_rank"]
+        assert len(per_rank) == ranks
+        for decode in (per_rank[0]["decode_batch1"], per_rank[0]["decode_batch16"]):
+            assert {"plain_step_ms", "verify_pass_ms", "draft_ms", "dspark_step_ms", "roofline_ms"} <= set(decode)
+        held[ranks] = [rank["held_gib"] for rank in per_rank]
+    assert held[2][0] == held[2][1]
+    assert held[1][0] / 2 < held[2][0] < held[1][0]

@@ -131,9 +131,12 @@ class Inkling2DecodeGraphs:
 
         if cache.graph_pool is None:
             cache.graph_pool = torch.cuda.graph_pool_handle()
-        captured = capture_graph(forward, cache.graph_pool, "decode step")
-        if captured is not None:
-            step.graph, step.output = captured
+        # after a failed capture the pool may still be recording: later steps of this cache run eagerly
+        captured = None if cache.capture_failed else capture_graph(forward, cache.graph_pool, "decode step")
+        if captured is None:
+            cache.capture_failed = True
+            return step
+        step.graph, step.output = captured
         return step
 
 
@@ -153,7 +156,7 @@ def capture_graph(run, pool, what: str):
     except RuntimeError as error:  # e.g. torch._grouped_mm on fp32 experts reads its offsets on the host
         logger.warning_once(
             f"Inkling2 could not capture its {what} in a CUDA graph ({str(error).splitlines()[0]}); it runs eagerly "
-            "(same results, slower). BF16 models capture."
+            "(same results, slower)."
         )
         return None
     return graph, output

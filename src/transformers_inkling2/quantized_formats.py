@@ -524,36 +524,36 @@ def nvfp4_quantize(
 # --------------------------------------------------------------------------------------------------
 
 
-def _as_float_tensor(value: Union[torch.Tensor, float], name: str) -> torch.Tensor:
+def _as_float_tensor(value: Union[torch.Tensor, float], name: str, validate: bool = True) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         value = torch.tensor(float(value), dtype=torch.float32)
     if value.dtype not in _FP_TYPES:
         raise QuantizedFormatError(f"{name} has dtype {value.dtype}; expected a floating dtype (float32).")
     value = value.float()
     bad = ~torch.isfinite(value)
-    if bool(bad.any()):
+    if validate and bool(bad.any()):
         raise QuantizedFormatError(f"{name} holds NaN or inf ({_first_bad(bad.reshape(-1))}); corrupt data.")
     return value
 
 
 def nvfp4_multiplier_from_weight_scale_2(
-    weight_scale_2: Union[torch.Tensor, float], *, name: str = "weight_scale_2"
+    weight_scale_2: Union[torch.Tensor, float], *, name: str = "weight_scale_2", validate: bool = True
 ) -> torch.Tensor:
     """ModelOpt: ``weight_scale_2`` already multiplies (``value = code * block_scale * weight_scale_2``)."""
-    m = _as_float_tensor(weight_scale_2, name)
-    if bool((m < 0).any()):
+    m = _as_float_tensor(weight_scale_2, name, validate)
+    if validate and bool((m < 0).any()):
         raise QuantizedFormatError(f"{name} holds negative values; a ModelOpt weight_scale_2 is >= 0.")
     return m
 
 
 def nvfp4_multiplier_from_global_scale(
-    weight_global_scale: Union[torch.Tensor, float], *, name: str = "weight_global_scale"
+    weight_global_scale: Union[torch.Tensor, float], *, name: str = "weight_global_scale", validate: bool = True
 ) -> torch.Tensor:
     """compressed-tensors: ``weight_global_scale`` is a DIVISOR (``value = code * block_scale / gs``),
     typically ``448 * 6 / amax``; the multiplier is ``1 / gs``."""
-    gs = _as_float_tensor(weight_global_scale, name)
+    gs = _as_float_tensor(weight_global_scale, name, validate)
     bad = gs <= 0
-    if bool(bad.any()):
+    if validate and bool(bad.any()):
         raise QuantizedFormatError(
             f"{name} holds zero or negative values ({_first_bad(bad.reshape(-1))}); a compressed-tensors "
             f"global scale divides, so it must be > 0 (did you pass a ModelOpt weight_scale_2 here?)."
@@ -566,6 +566,7 @@ def nvfp4_multiplier_from_amax(
     outer_scale_denominator: Union[torch.Tensor, float] = NVFP4_DEFAULT_OUTER_DENOMINATOR,
     *,
     name: str = "weight_amax",
+    validate: bool = True,
 ) -> torch.Tensor:
     """amax export (SPEC section 3): ``multiplier = amax / outer_scale_denominator``.
 
@@ -573,11 +574,11 @@ def nvfp4_multiplier_from_amax(
     E4M3 x E2M1), so one unit of that product is ``amax / denominator`` -- the same number ModelOpt
     stores as ``weight_scale_2`` and the reciprocal of compressed-tensors' ``weight_global_scale``.
     """
-    a = _as_float_tensor(amax, name)
-    d = _as_float_tensor(outer_scale_denominator, f"{name} outer_scale_denominator")
-    if bool((a < 0).any()):
+    a = _as_float_tensor(amax, name, validate)
+    d = _as_float_tensor(outer_scale_denominator, f"{name} outer_scale_denominator", validate)
+    if validate and bool((a < 0).any()):
         raise QuantizedFormatError(f"{name} holds negative values; an amax is >= 0.")
-    if bool((d <= 0).any()):
+    if validate and bool((d <= 0).any()):
         raise QuantizedFormatError(
             f"{name} outer_scale_denominator must be > 0 (typically 448 * 6 = 2688), "
             f"got {d.flatten()[:4].tolist()}."
@@ -591,8 +592,10 @@ def nvfp4_outer_multiplier(
     weight_global_scale: Optional[Union[torch.Tensor, float]] = None,
     amax: Optional[Union[torch.Tensor, float]] = None,
     outer_scale_denominator: Optional[Union[torch.Tensor, float]] = None,
+    validate: bool = True,
 ) -> torch.Tensor:
-    """Pick the convention from whichever checkpoint tensor is present; exactly one must be given."""
+    """Pick the convention from whichever checkpoint tensor is present; exactly one must be given. `validate=False`
+    skips the value checks (they read the values back on the host), for tensors already checked at load."""
     given = [k for k, v in (("weight_scale_2", weight_scale_2), ("weight_global_scale", weight_global_scale),
                             ("amax", amax)) if v is not None]
     if len(given) != 1:
@@ -603,12 +606,12 @@ def nvfp4_outer_multiplier(
     if outer_scale_denominator is not None and amax is None:
         raise QuantizedFormatError("outer_scale_denominator only goes with amax.")
     if weight_scale_2 is not None:
-        return nvfp4_multiplier_from_weight_scale_2(weight_scale_2)
+        return nvfp4_multiplier_from_weight_scale_2(weight_scale_2, validate=validate)
     if weight_global_scale is not None:
-        return nvfp4_multiplier_from_global_scale(weight_global_scale)
+        return nvfp4_multiplier_from_global_scale(weight_global_scale, validate=validate)
     if outer_scale_denominator is None:
         outer_scale_denominator = NVFP4_DEFAULT_OUTER_DENOMINATOR
-    return nvfp4_multiplier_from_amax(amax, outer_scale_denominator)
+    return nvfp4_multiplier_from_amax(amax, outer_scale_denominator, validate=validate)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -87,11 +87,8 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
     def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """Stores tokens at their slots (the last `capacity` of them when there are more)."""
         if positions.numel() > self.capacity:
-            positions, keys, values, valid = (
-                positions[-self.capacity :],
-                *(t[..., -self.capacity :, :] for t in (keys, values)),
-                valid[:, -self.capacity :],
-            )
+            keep = self.capacity
+            positions, keys, values, valid = positions[-keep:], keys[:, :, -keep:], values[:, :, -keep:], valid[:, -keep:]
         slots = positions.remainder(self.capacity)
         self.keys.index_copy_(2, slots, keys)
         self.values.index_copy_(2, slots, values)
@@ -238,6 +235,7 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         self.attend_length: int | None = None
         self.graphs: dict = {}  # CUDA graphs captured over these buffers, kept with them (decode_graphs)
         self.graph_pool = None  # their shared memory pool
+        self.capture_failed = False  # a step could not be captured: the others run eagerly too
 
     def attention_keys(self, layer_idx, keys, values, query_positions, attention_mask):
         if self.max_batch_size is not None and keys.shape[0] != self.max_batch_size:

@@ -200,3 +200,24 @@ def test_cuda_graph_replays_equal_eager_steps():
     assert captured and all(step.graph is not None for step in captured.values())
     assert {key[0] for key in captured} == {32, 64}
     assert torch.equal(generate(use_cuda_graphs=True, dspark=True), generate(use_cuda_graphs=False, dspark=True))
+
+
+def test_compiled_steps_trace_whole_and_once(monkeypatch):
+    """With a `compile_config` the runner's steps run the `torch.compile`d model: the step traces as one graph
+    (`fullgraph=True`), reads no host-side length (one compilation serves every step of a shape) and gives the
+    eager step's logits (backend "eager": the same kernels; inductor fuses them on GPUs). bf16: `torch._grouped_mm`
+    takes bf16 only."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)
+    input_ids, attention_mask = left_padded_batch(seed=6)
+    steps = [1] * 6
+    expected = run_steps(model, Inkling2Cache(model.config), input_ids, attention_mask, steps)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    runner = Inkling2DecodeGraphs(
+        model, use_cuda_graphs=False, min_bucket=64, compile_config=CompileConfig(backend="eager", fullgraph=True)
+    )
+    static = Inkling2StaticCache(model.config, max_cache_len=64)
+    assert_same_logits(expected, run_steps(model, static, input_ids, attention_mask, steps, forward=runner), atol=0)

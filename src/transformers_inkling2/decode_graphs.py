@@ -44,15 +44,13 @@ def attend_bucket(needed: int, capacity: int, minimum: int = MIN_BUCKET) -> int:
 
 @contextmanager
 def replaying(cache: Inkling2StaticCache, bucket: int) -> Iterator[None]:
-    """A forward over the static buffers that leaves the host-side length as it was (the caller advances it)."""
-    lengths = [layer.seen_tokens for layer in cache.layers]
+    """A forward over the static buffers with the full layers attending over `bucket` slots; it leaves the
+    host-side length alone (the caller advances it)."""
     cache.attend_length = bucket
     try:
         yield
     finally:
         cache.attend_length = None
-        for layer, length in zip(cache.layers, lengths):
-            layer.seen_tokens = length
 
 
 @dataclass
@@ -64,11 +62,28 @@ class CapturedStep:
     output: object = None
 
 
-class Inkling2DecodeGraphs:
-    """Callable like the model (`runner(**model_inputs)`); see the module docstring."""
+def compiled_step(model, compile_config):
+    """`torch.compile` of the model for steps that our own CUDA graphs then capture (fused elementwise kernels, fewer
+    launches): transformers' CompileConfig defaults to mode "reduce-overhead", which would capture graphs itself, so
+    the cudagraph modes become their plain equivalents. Shapes are static per captured step (`dynamic=False`)."""
+    settings = compile_config.to_dict()
+    tuning = {"options": settings["options"]} if settings.get("options") else {}
+    if not tuning:
+        tuning["mode"] = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(
+            settings["mode"], settings["mode"]
+        )
+    return torch.compile(model, fullgraph=settings["fullgraph"], dynamic=False, backend=settings["backend"], **tuning)
 
-    def __init__(self, model, use_cuda_graphs: bool = True, min_bucket: int = MIN_BUCKET):
+
+class Inkling2DecodeGraphs:
+    """Callable like the model (`runner(**model_inputs)`); see the module docstring. With a `compile_config`
+    (transformers' `CompileConfig`, e.g. `generate(..., compile_config=CompileConfig())`), the captured steps run
+    the `torch.compile`d model (`compiled_step`)."""
+
+    def __init__(self, model, use_cuda_graphs: bool = True, min_bucket: int = MIN_BUCKET, compile_config=None):
         self.model, self.use_cuda_graphs, self.min_bucket = model, use_cuda_graphs, min_bucket
+        self.compile_config = compile_config
+        self.step_model = model if compile_config is None else compiled_step(model, compile_config)
 
     def __call__(self, **inputs):
         cache = inputs.get("past_key_values")
@@ -78,7 +93,7 @@ class Inkling2DecodeGraphs:
         tensors, options, new_tokens = step_inputs
         bucket = attend_bucket(cache.get_seq_length() + new_tokens, cache.max_cache_len, self.min_bucket)
         shapes = tuple((name, t.shape, t.dtype) for name, t in tensors.items())
-        key = (bucket, shapes, tuple(options.items()), self.use_cuda_graphs)
+        key = (bucket, shapes, tuple(options.items()), self.use_cuda_graphs, self.compile_config is not None)
         step = cache.graphs.get(key)
         if step is None:
             step = cache.graphs[key] = self.capture(cache, tensors, options, bucket)
@@ -89,7 +104,7 @@ class Inkling2DecodeGraphs:
             step.graph.replay()
         else:
             with replaying(cache, bucket):
-                step.output = self.model(past_key_values=cache, **step.inputs, **step.options)
+                step.output = self.step_model(past_key_values=cache, **step.inputs, **step.options)
         cache.advance(new_tokens)
         return step.output
 
@@ -127,7 +142,7 @@ class Inkling2DecodeGraphs:
 
         def forward():
             with replaying(cache, bucket):
-                return self.model(past_key_values=cache, **step.inputs, **options)
+                return self.step_model(past_key_values=cache, **step.inputs, **options)
 
         if cache.graph_pool is None:
             cache.graph_pool = torch.cuda.graph_pool_handle()

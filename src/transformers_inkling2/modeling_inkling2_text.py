@@ -545,13 +545,15 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             return self.prefill_in_chunks(
                 inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
             )
-        past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
-        query_positions = cache_position
+        static = isinstance(past_key_values, Inkling2StaticCache)
+        query_positions, past_length = cache_position, None
+        if query_positions is None or not static:  # a captured step reads no host-side length (Inkling2StaticCache)
+            past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
         if query_positions is None:
             query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
         if position_ids is None:
             position_ids = query_positions[None]
-        if isinstance(past_key_values, Inkling2StaticCache):  # it keeps the padding of the cached tokens itself
+        if static:  # it keeps the padding of the cached tokens itself
             attention_mask = self._new_tokens_mask(attention_mask, batch, length)
         else:
             attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
@@ -738,9 +740,11 @@ class Inkling2LanguageModelingMixin:
     def get_compiled_call(self, compile_config):
         """generate() asks for a compiled forward for the decode steps when the cache is static and the model is on a
         GPU (`disable_compile=True` in the generation config turns that off): Inkling2 answers with its CUDA-graph
-        runner (`decode_graphs`), exact against the eager step, instead of `torch.compile`."""
-        if getattr(self, "_decode_graphs", None) is None:
-            self._decode_graphs = Inkling2DecodeGraphs(self)
+        runner (`decode_graphs`), exact against the eager step. With an explicit `compile_config` the captured steps
+        also run the `torch.compile`d model."""
+        runner = getattr(self, "_decode_graphs", None)
+        if runner is None or runner.compile_config != compile_config:
+            self._decode_graphs = Inkling2DecodeGraphs(self, compile_config=compile_config)
         return self._decode_graphs
 
 

@@ -88,7 +88,12 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         """Stores tokens at their slots (the last `capacity` of them when there are more)."""
         if positions.numel() > self.capacity:
             keep = self.capacity
-            positions, keys, values, valid = positions[-keep:], keys[:, :, -keep:], values[:, :, -keep:], valid[:, -keep:]
+            positions, keys, values, valid = (
+                positions[-keep:],
+                keys[:, :, -keep:],
+                values[:, :, -keep:],
+                valid[:, -keep:],
+            )
         slots = positions.remainder(self.capacity)
         self.keys.index_copy_(2, slots, keys)
         self.values.index_copy_(2, slots, values)
@@ -97,19 +102,23 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
 
     def attention_keys(self, keys, values, query_positions, token_mask, attend_length):
         """Writes the step's keys/values; returns what it attends to: (keys, values, key positions, key padding,
-        whether the key positions ascend contiguously)."""
+        whether the key positions ascend contiguously). With `attend_length` (a captured step, at most `max_queries`
+        tokens) the full layers attend over that many slots and the host-side length is left to the runner: nothing
+        here then reads it, so the traced step does not depend on it."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         new_tokens = keys.shape[2]
-        self.check_room(new_tokens)
         valid = torch.ones(keys.shape[0], new_tokens, dtype=torch.bool, device=keys.device)
         valid = valid if token_mask is None else token_mask.bool()
-        past = self.seen_tokens
-        self.seen_tokens += new_tokens
+        if attend_length is None:
+            self.check_room(new_tokens)
+            past = self.seen_tokens
+            self.seen_tokens += new_tokens
+            attend_length = past + new_tokens
 
-        if not self.is_sliding:  # slot = position: the first `length` slots, in order
+        if not self.is_sliding:  # slot = position: the first `attend_length` slots, in order
             self.write(query_positions, keys, values, valid)
-            length = past + new_tokens if attend_length is None else attend_length
+            length = attend_length
             return (
                 self.keys[:, :, :length],
                 self.values[:, :, :length],
@@ -230,8 +239,8 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
             for layer_type in config.layer_types
         ]
         super().__init__(layers=layers, **kwargs)
-        # The full layers' attention span while a CUDA graph is captured (a power-of-two bucket; see decode_graphs);
-        # None: exactly the cached tokens.
+        # Set while a step is captured or replayed (decode_graphs): the full layers' attention span (a power-of-two
+        # bucket), the host-side length then being the runner's to keep. None: an ordinary forward.
         self.attend_length: int | None = None
         self.graphs: dict = {}  # CUDA graphs captured over these buffers, kept with them (decode_graphs)
         self.graph_pool = None  # their shared memory pool

@@ -13,7 +13,7 @@
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
-    python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096]
+    python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
 
 Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./).
 """
@@ -143,6 +143,8 @@ def attention_decode_benchmark(key_counts, batches, repeats, with_flex_decode=Tr
 
 
 def model_decode_benchmark(args) -> list[dict]:
+    from transformers import CompileConfig
+
     from transformers_inkling2 import Inkling2Cache, Inkling2DecodeGraphs, Inkling2StaticCache
 
     ours, oracle = build_models(args.experts, with_oracle=not args.no_oracle)
@@ -160,10 +162,12 @@ def model_decode_benchmark(args) -> list[dict]:
                 cache = output.past_key_values
         return cache
 
-    def decode_steps(model, cache, batch):
+    def decode_steps(model, cache, batch, compile_config):
         tokens = torch.randint(0, 8000, (batch, 1), device=DEVICE, generator=generator)
         # over the static cache, the step replays a CUDA graph (captured in the warm-up calls)
-        forward = Inkling2DecodeGraphs(model.model) if isinstance(cache, Inkling2StaticCache) else model.model
+        forward = model.model
+        if isinstance(cache, Inkling2StaticCache):
+            forward = Inkling2DecodeGraphs(model.model, compile_config=compile_config)
 
         def step():
             with torch.no_grad():
@@ -173,19 +177,20 @@ def model_decode_benchmark(args) -> list[dict]:
 
     static_length = args.context + 2 * args.steps + 16
     candidates = [
-        (f"ours ({backend})", ours, lambda: Inkling2Cache(ours.config), backend)
+        (f"ours ({backend})", ours, lambda: Inkling2Cache(ours.config), backend, None)
         for backend in ("inkling2_flex", "inkling2_flex_decode", "eager")
         if args.flex_decode or backend != "inkling2_flex_decode"
     ] + [
-        (f"ours ({backend}, static cache, CUDA graph)", ours, lambda: Inkling2StaticCache(ours.config, static_length),
-         backend)
+        (f"ours ({backend}, static cache, {'torch.compile + ' if compiled else ''}CUDA graph)", ours,
+         lambda: Inkling2StaticCache(ours.config, static_length), backend, CompileConfig() if compiled else None)
         for backend in ("inkling2_flex", "inkling2_flex_decode")
+        for compiled in ((False, True) if args.compile else (False,))
         if args.flex_decode or backend != "inkling2_flex_decode"
-    ]
+    ]  # fmt: skip
     if oracle is not None:
-        candidates.append(("built-in inkling2 (eager)", oracle, lambda: None, None))
+        candidates.append(("built-in inkling2 (eager)", oracle, lambda: None, None, None))
     for batch in args.batches:
-        for name, model, make_cache, backend in candidates:
+        for name, model, make_cache, backend, compile_config in candidates:
             if backend is not None:
                 model.config._attn_implementation = backend
 
@@ -193,7 +198,7 @@ def model_decode_benchmark(args) -> list[dict]:
                 cache = prefill(model, batch, make_cache)
                 free_memory()
                 torch.cuda.reset_peak_memory_stats()
-                ms = decode_steps(model, cache, batch)
+                ms = decode_steps(model, cache, batch, compile_config)
                 return ms, torch.cuda.max_memory_allocated() / 2**30
 
             result = guarded(measure)
@@ -216,6 +221,8 @@ def main():
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
     parser.add_argument("--skip-attention", action="store_true", help="model slice only")
+    parser.add_argument("--compile", action="store_true",
+                        help="also the static-cache steps compiled with torch.compile (CompileConfig()) inside the graphs")
     parser.add_argument("--no-flex-decode", dest="flex_decode", action="store_false",
                         help="leave out inkling2_flex_decode (not yet validated on a GPU)")
     args = parser.parse_args()

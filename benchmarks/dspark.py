@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import CompileConfig
 
 import transformers_inkling2  # noqa: F401
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2TextConfig
@@ -177,8 +178,10 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, seed: int, cache: str = "static"):
-    """`cache="static"`: decode steps and verification passes replay as CUDA graphs on a GPU."""
+def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, seed: int, cache: str = "static",
+                   compile_config=None):
+    """`cache="static"`: decode steps and verification passes replay as CUDA graphs on a GPU (compiled with
+    torch.compile inside them when `compile_config` is given)."""
     torch.manual_seed(seed)
     synchronize()
     start = time.perf_counter()
@@ -194,26 +197,27 @@ def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, s
         dspark=dspark,
         return_dict_in_generate=True,
         cache_implementation=cache,
+        compile_config=compile_config,
     )
     synchronize()
     return out.sequences[0, prompt.shape[1] :], time.perf_counter() - start, out
 
 
-def evaluate(model, held_out, prompts: int, new_tokens: int, results: dict, save, cache: str) -> None:
+def evaluate(model, held_out, prompts: int, new_tokens: int, results: dict, save, cache: str, compile_config) -> None:
     """Fills `results[temperature]`, saving after each temperature (a run cut short keeps what it measured)."""
     starts = torch.linspace(0, len(held_out) - PROMPT_TOKENS - 1, prompts).long().tolist()
     prompt_list = [held_out[s : s + PROMPT_TOKENS][None].to(DEVICE) for s in starts]
     # warm-up at the measured length: a static cache of that size and its captured graphs are then reused
-    timed_generate(model, prompt_list[0], new_tokens, False, False, 0, cache)
-    timed_generate(model, prompt_list[0], new_tokens, False, True, 0, cache)
+    timed_generate(model, prompt_list[0], new_tokens, False, False, 0, cache, compile_config)
+    timed_generate(model, prompt_list[0], new_tokens, False, True, 0, cache, compile_config)
     for temperature, sample in (("0", False), ("1", True)):
         plain_time = dspark_time = 0.0
         plain_tokens = dspark_tokens = shared = 0
         accepted_lengths, position_acceptance = [], []
         for i, prompt in enumerate(prompt_list):
-            plain, seconds, _ = timed_generate(model, prompt, new_tokens, sample, False, i, cache)
+            plain, seconds, _ = timed_generate(model, prompt, new_tokens, sample, False, i, cache, compile_config)
             plain_time, plain_tokens = plain_time + seconds, plain_tokens + len(plain)
-            drafted, seconds, out = timed_generate(model, prompt, new_tokens, sample, True, i, cache)
+            drafted, seconds, out = timed_generate(model, prompt, new_tokens, sample, True, i, cache, compile_config)
             dspark_time, dspark_tokens = dspark_time + seconds, dspark_tokens + len(drafted)
             accepted_lengths.append(out.mean_accepted_length)
             position_acceptance.append(out.position_acceptance)
@@ -274,6 +278,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--cache", choices=("static", "dynamic"), default="static",
                         help="generate()'s cache_implementation: static replays decode steps as CUDA graphs")
+    parser.add_argument("--compile", action="store_true", help="with --cache static: torch.compile the steps too")
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -325,8 +330,9 @@ def main() -> None:
         generation={},
     )
     save()
-    summary["cache"] = args.cache
-    evaluate(model, held_out, args.prompts, args.new_tokens, summary["generation"], save, args.cache)
+    summary["cache"] = args.cache + (", torch.compile" if args.compile else "")
+    compile_config = CompileConfig() if args.compile else None
+    evaluate(model, held_out, args.prompts, args.new_tokens, summary["generation"], save, args.cache, compile_config)
     text = report(summary)
     print(text)
     (out / "dspark.md").write_text(text)

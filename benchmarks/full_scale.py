@@ -196,14 +196,15 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
 
 
 def decode_measures(model, device, batch: int, args) -> dict:
+    from transformers import CompileConfig
+
     from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
     from transformers_inkling2.generation_dspark import DSparkDecoder, DSparkOptions
 
     vocab, block = model.config.unpadded_vocab_size, model.dspark.config.block_size
     length = args.context + args.steps * (block + 1) + 64
-    runner = (
-        Inkling2DecodeGraphs(model) if device.type == "cuda" else Inkling2DecodeGraphs(model, use_cuda_graphs=False)
-    )
+    compile_config = CompileConfig() if args.compile else None
+    runner = Inkling2DecodeGraphs(model, use_cuda_graphs=device.type == "cuda", compile_config=compile_config)
     chunk = max(1, args.chunk // batch)
     result = {}
 
@@ -227,7 +228,7 @@ def decode_measures(model, device, batch: int, args) -> dict:
         result["verify_pass_ms"] = median_ms(verify_pass, device, repeats=args.steps, warmup=3)
 
         config = model.generation_config
-        config.do_sample = False
+        config.do_sample, config.compile_config = False, compile_config
         dspark_cache = Inkling2StaticCache(model.config, length, batch)
         decoder = DSparkDecoder(model, dspark_cache, [], config, DSparkOptions("greedy"))
         ids = prompt(batch, args.context, vocab, device)
@@ -325,6 +326,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=None)
     parser.add_argument("--decode-batch", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode steps inside the graphs")
     parser.add_argument(
         "--layers",
         type=int,

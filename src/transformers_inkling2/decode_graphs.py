@@ -14,8 +14,9 @@ step is captured once per shape and then replayed with one launch:
   between calls, and with it the graphs.
 
 Steps the graphs do not cover run eagerly, with identical results: prompts (more than `cache.max_queries` new
-tokens), images, CPU tensors, and steps that cannot be captured (a warning says why). `use_cuda_graphs=False` runs every step through the same static buffers eagerly
-(the CPU tests use it to check the bookkeeping against the plain forward).
+tokens), images, CPU tensors, and steps that cannot be captured (a warning says why). `use_cuda_graphs=False` runs
+every step through the same static buffers eagerly (the CPU tests use it to check the bookkeeping against the plain
+forward). With a `compile_config` the captured steps run the `torch.compile`d model (`compiled_step`).
 
 A replay's outputs live in the graph's memory: they are valid until the next call.
 """
@@ -93,7 +94,7 @@ class Inkling2DecodeGraphs:
         tensors, options, new_tokens = step_inputs
         bucket = attend_bucket(cache.get_seq_length() + new_tokens, cache.max_cache_len, self.min_bucket)
         shapes = tuple((name, t.shape, t.dtype) for name, t in tensors.items())
-        key = (bucket, shapes, tuple(options.items()), self.use_cuda_graphs, self.compile_config is not None)
+        key = (bucket, shapes, tuple(options.items()), self.use_cuda_graphs, repr(self.compile_config))
         step = cache.graphs.get(key)
         if step is None:
             step = cache.graphs[key] = self.capture(cache, tensors, options, bucket)

@@ -153,6 +153,10 @@ def test_images_in_the_prompt():
     inputs = dict(pixel_values=pixel_values, image_grid_thw=grid)
     expected = greedy_generate(model, input_ids, attention_mask, new_tokens=15, **inputs)
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 15, **inputs), expected)
+    # over the static cache too, plain and DSpark (the prompt's images go through the eager prefill)
+    static = dict(inputs, cache_implementation="static")
+    assert torch.equal(greedy_generate(model, input_ids, attention_mask, 15, **static), expected)
+    assert torch.equal(dspark_generate(model, input_ids, attention_mask, 15, **static), expected)
 
 
 @pytest.fixture

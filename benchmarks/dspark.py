@@ -28,6 +28,7 @@ $OUT, else ./).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -37,7 +38,7 @@ import torch
 from transformers import CompileConfig
 
 import transformers_inkling2  # noqa: F401
-from transformers_inkling2 import Inkling2ForCausalLM, Inkling2TextConfig
+from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache, Inkling2TextConfig
 from transformers_inkling2.cache_inkling2 import Inkling2Cache
 from transformers_inkling2.dspark_training import (
     attach_new_drafter,
@@ -140,9 +141,10 @@ def teacher_forced_agreement(model, tokens, window: int = 512, windows: int = 8)
 
 
 @torch.no_grad()
-def step_costs(model, prompt, repeats: int = 20) -> dict:
+def step_costs(model, prompt, cache: str, compile_config, repeats: int = 20) -> dict:
     """Milliseconds of the pieces of a step after a prefill: a plain one-token decode step, the DSpark verification
-    pass (8 tokens with hidden states) and one draft (drafter pass + the 7 head steps)."""
+    pass (8 tokens with hidden states) and one draft (drafter pass + the 7 head steps); over the static cache on a
+    GPU each replays as a CUDA graph, as in generate()."""
 
     def ms(fn) -> float:
         fn()
@@ -153,18 +155,22 @@ def step_costs(model, prompt, repeats: int = 20) -> dict:
         synchronize()
         return 1000 * (time.perf_counter() - start) / repeats
 
-    cache = Inkling2Cache(model.config)
-    decoder = DSparkDecoder(model, cache, None, model.generation_config, DSparkOptions())
+    static = cache == "static"
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.compile_config = compile_config
+    target_cache = Inkling2StaticCache(model.config, prompt.shape[1] + 16) if static else Inkling2Cache(model.config)
+    forward = model.get_compiled_call(compile_config) if static and DEVICE.type == "cuda" else model
+    decoder = DSparkDecoder(model, target_cache, None, generation_config, DSparkOptions())
     anchor = decoder.prefill(prompt, None, model.get_input_embeddings()(prompt), None)
     one, eight = prompt[:, -1:], prompt[:, -8:]
 
     def plain_step():
-        model(input_ids=one, past_key_values=cache, use_cache=True)
-        cache.crop(-1)
+        forward(input_ids=one, past_key_values=target_cache, use_cache=True)
+        target_cache.crop(-1)
 
     def verify_step():
-        model(input_ids=eight, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        cache.crop(-8)
+        forward(input_ids=eight, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
+        target_cache.crop(-8)
 
     return {
         "plain_step_ms": ms(plain_step),
@@ -178,8 +184,9 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, prompt, new_tokens: int, sample: bool, dspark: bool, seed: int, cache: str = "static",
-                   compile_config=None):
+def timed_generate(
+    model, prompt, new_tokens: int, sample: bool, dspark: bool, seed: int, cache: str = "static", compile_config=None
+):
     """`cache="static"`: decode steps and verification passes replay as CUDA graphs on a GPU (compiled with
     torch.compile inside them when `compile_config` is given)."""
     torch.manual_seed(seed)
@@ -244,7 +251,11 @@ def report(summary: dict) -> str:
     ]
     for temperature, r in summary["generation"].items():
         positions = " ".join(f"{p:.2f}" for p in r["position_acceptance"])
-        shared = "-" if r["greedy_prefix_shared_with_plain"] is None else f"{100 * r['greedy_prefix_shared_with_plain']:.1f}%"
+        shared = (
+            "-"
+            if r["greedy_prefix_shared_with_plain"] is None
+            else f"{100 * r['greedy_prefix_shared_with_plain']:.1f}%"
+        )
         lines.append(
             f"| {temperature} | {r['mean_accepted_length']:.2f} | {positions} | {r['plain_tokens_per_s']:.1f} | "
             f"{r['dspark_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {shared} |"
@@ -259,11 +270,12 @@ def report(summary: dict) -> str:
         f"{summary['drafter_seconds']:.0f} s, loss {summary['drafter_loss_first']:.3f} -> {summary['drafter_loss_last']:.3f}.\n"
         f"Held-out teacher-forced agreement of the drafter's argmax with the target's, by block position: "
         f"{' '.join(f'{a:.2f}' for a in summary['teacher_forced_agreement'])}.\n"
-        f"Step costs after a {PROMPT_TOKENS}-token prompt: plain decode step {summary['step_costs']['plain_step_ms']:.1f} ms, "
+        f"Step costs after a {PROMPT_TOKENS}-token prompt ({summary['cache']} cache): plain decode step "
+        f"{summary['step_costs']['plain_step_ms']:.1f} ms, "
         f"verification pass (8 tokens) {summary['step_costs']['verify_step_ms']:.1f} ms, draft "
         f"{summary['step_costs']['draft_ms']:.1f} ms.\n"
         f"Generation: batch 1, {summary['prompts']} held-out prompts of {PROMPT_TOKENS} tokens, "
-        f"{summary['new_tokens']} new tokens each, bf16, `cache_implementation=\"{summary['cache']}\"`.\n\n"
+        f"{summary['new_tokens']} new tokens each, bf16, cache: {summary['cache']}.\n\n"
     )
     return head + "\n".join(lines) + "\n"
 
@@ -276,8 +288,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--cache", choices=("static", "dynamic"), default="static",
-                        help="generate()'s cache_implementation: static replays decode steps as CUDA graphs")
+    parser.add_argument(
+        "--cache",
+        choices=("static", "dynamic"),
+        default="static",
+        help="generate()'s cache_implementation: static replays decode steps as CUDA graphs",
+    )
     parser.add_argument("--compile", action="store_true", help="with --cache static: torch.compile the steps too")
     args = parser.parse_args()
 
@@ -310,6 +326,8 @@ def main() -> None:
     print(f"target held-out loss {summary['target_held_out_loss']:.3f}", flush=True)
     save()
 
+    summary["cache"] = args.cache + (", torch.compile" if args.compile else "")
+    compile_config = CompileConfig() if args.compile else None
     drafter = attach_new_drafter(model, default_dspark_config(config, mask_token_id=vocab))
     start = time.perf_counter()
     if args.self_distill:  # the second half of every window written by the target itself
@@ -326,12 +344,10 @@ def main() -> None:
         drafter_loss_first=drafter_losses[0],
         drafter_loss_last=drafter_losses[-1],
         teacher_forced_agreement=teacher_forced_agreement(model, held_out),
-        step_costs=step_costs(model, held_out[None, :PROMPT_TOKENS].to(DEVICE)),
+        step_costs=step_costs(model, held_out[None, :PROMPT_TOKENS].to(DEVICE), args.cache, compile_config),
         generation={},
     )
     save()
-    summary["cache"] = args.cache + (", torch.compile" if args.compile else "")
-    compile_config = CompileConfig() if args.compile else None
     evaluate(model, held_out, args.prompts, args.new_tokens, summary["generation"], save, args.cache, compile_config)
     text = report(summary)
     print(text)

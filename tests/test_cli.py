@@ -24,18 +24,18 @@ def test_main_job_takes_an_image_through_the_pipeline(tmp_path, capsys):
     assert "[image: " in out and "3 new tokens" in out
 
 
-def test_dspark_flag_gives_the_same_greedy_reply_through_the_image_pipeline(tmp_path, capsys):
+def test_dspark_and_static_cache_flags_give_the_same_greedy_reply_through_the_image_pipeline(tmp_path, capsys):
     import numpy as np
     import PIL.Image
 
     PIL.Image.fromarray(np.full((50, 90, 3), 99, dtype=np.uint8)).save(tmp_path / "grey.png")
     replies = []
-    for flags in ([], ["--dspark"]):
+    for flags in ([], ["--dspark"], ["--static-cache"], ["--dspark", "--static-cache"]):
         main(["--max-new-tokens", "10", "--image", str(tmp_path / "grey.png"), *flags])
         out = capsys.readouterr().out
         replies.append(out.split("[reply] ")[1].split("[speed]")[0])
         assert "10 new tokens" in out
-    assert replies[0] == replies[1]
+    assert replies[0] == replies[1] == replies[2] == replies[3]
 
 
 def test_main_job_on_a_text_only_checkpoint_uses_the_text_generation_pipeline(tmp_path, capsys):

@@ -325,6 +325,26 @@ def test_the_tiny_model_end_to_end(tok, tiny_model):
     assert (parse_response(output[0, prompt.shape[1] :], tok)["content"] or None) == reply.choices[0].message.content
 
 
+def test_a_static_cache_serves_every_request(tok, tiny_model, monkeypatch):
+    """`inkling2 serve --static-cache N`: one static cache of N tokens, reused by every request (the server generates
+    under inference mode), with the same greedy replies."""
+    app = ChatCompletions(tok, model_generate_fn(tiny_model, tok), model_id="tiny")
+
+    def ask(text):
+        with Inkling2Server(app, port=0).start() as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=30)
+            messages = [{"role": "user", "content": text}]
+            return client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+
+    expected = [ask(text).choices[0].message.content for text in ("Hello", "A longer question, please")]
+    monkeypatch.setattr(tiny_model.generation_config, "cache_implementation", "static")
+    monkeypatch.setattr(tiny_model.generation_config, "max_cache_len", 256)
+    assert ask("Hello").choices[0].message.content == expected[0]
+    cache = tiny_model._static_cache
+    assert ask("A longer question, please").choices[0].message.content == expected[1]
+    assert tiny_model._static_cache is cache
+
+
 def test_openai_messages_become_template_messages():
     converted = to_template_messages(
         [
@@ -346,3 +366,4 @@ def test_openai_messages_become_template_messages():
 def test_serve_subcommand_parses():
     args = build_parser().parse_args(["serve", "--port", "0", "--effort", "high", "--max-tokens", "16"])
     assert (args.command, args.port, args.effort, args.max_tokens, args.host) == ("serve", 0, "high", 16, "127.0.0.1")
+    assert build_parser().parse_args(["serve", "--static-cache", "4096"]).static_cache == 4096

@@ -4,7 +4,7 @@
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
-    inkling2 serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--effort high] [--dspark]   OpenAI server
+    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N]   OpenAI server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
 """
 
@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--dspark", action="store_true", help="speculative decoding with the bundled DSpark drafter")
+    generate.add_argument(
+        "--static-cache", action="store_true", help="decode over Inkling2StaticCache (CUDA graphs on a GPU)"
+    )
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")
     serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
     serve.add_argument("--host", default="127.0.0.1")
@@ -44,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     serve.add_argument("--dspark", action="store_true", help="decode with the bundled DSpark drafter")
+    serve.add_argument(
+        "--static-cache",
+        type=int,
+        metavar="TOKENS",
+        help="decode over one Inkling2StaticCache of this many tokens, reused by every request up to that length "
+        "(CUDA graphs on a GPU, captured once)",
+    )
     quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
     quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
     quantize.add_argument("target", help="output folder")
@@ -154,6 +164,7 @@ def run_generate(args: argparse.Namespace) -> None:
         top_k=None,
         streamer=streamer,
         dspark=args.dspark,
+        cache_implementation="static" if args.static_cache else None,
     )
     if processor is not None:  # the two pipelines name their inputs and generation arguments differently
         generator = pipeline("image-text-to-text", model=model, processor=processor)
@@ -190,6 +201,9 @@ def run_serve(args: argparse.Namespace) -> None:
         print("[serve] the checkpoint has no image processor: serving text only", flush=True)
     if args.dspark:  # every generate() call of the server reads it from the generation config
         model.generation_config.dspark = True
+    if args.static_cache:  # one size for every request, so that its buffers and graphs are reused
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.max_cache_len = args.static_cache
     effort = args.effort
     if effort is not None and effort.replace(".", "", 1).isdigit():
         effort = float(effort)

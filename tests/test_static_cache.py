@@ -107,6 +107,15 @@ def test_generate_with_the_static_cache_gives_the_same_tokens(model, length, pad
     assert torch.equal(again, expected) and model._static_cache is cache  # reused, reset in place
 
 
+def test_a_static_cache_made_under_inference_mode_is_not_reused_outside_it():
+    """`inkling2 serve` generates under inference mode, whose tensors cannot be reset outside it."""
+    model = build_pair(seed=7)[0]
+    input_ids, attention_mask = left_padded_batch(seed=8)
+    with torch.inference_mode():
+        served = greedy_generate(model, input_ids, attention_mask, 6, cache_implementation="static")
+    assert torch.equal(greedy_generate(model, input_ids, attention_mask, 6, cache_implementation="static"), served)
+
+
 def test_dspark_over_the_static_cache_equals_plain_greedy(monkeypatch):
     """Rows accept different counts: the static rings shift rows right in place."""
     target = build_with_drafter()

@@ -724,7 +724,8 @@ class Inkling2LanguageModelingMixin:
     def static_cache(self, batch_size: int, max_cache_len: int) -> Inkling2StaticCache:
         """An empty static cache for this batch and length: the previous one, reset, when it has that size (its
         buffers and captured graphs are reused), else a new one."""
-        size = (batch_size, max_cache_len, self.device, self.dtype)
+        # buffers made under inference mode (e.g. by `inkling2 serve`) cannot be reset outside it
+        size = (batch_size, max_cache_len, self.device, self.dtype, torch.is_inference_mode_enabled())
         if getattr(self, "_static_cache_size", None) != size:
             self._static_cache = Inkling2StaticCache(self.config.get_text_config(), max_cache_len, batch_size)
             self._static_cache_size = size

@@ -211,7 +211,7 @@ def test_cuda_graph_replays_equal_eager_steps():
     assert torch.equal(generate(use_cuda_graphs=True, dspark=True), generate(use_cuda_graphs=False, dspark=True))
 
 
-def test_compiled_steps_trace_whole_and_once(monkeypatch):
+def test_compiled_steps_trace_whole_and_once():
     """With a `compile_config` the runner's steps run the `torch.compile`d model: the step traces as one graph
     (`fullgraph=True`), reads no host-side length (one compilation serves every step of a shape) and gives the
     eager step's logits (backend "eager": the same kernels; inductor fuses them on GPUs). bf16: `torch._grouped_mm`
@@ -224,9 +224,11 @@ def test_compiled_steps_trace_whole_and_once(monkeypatch):
     steps = [1] * 6
     expected = run_steps(model, Inkling2Cache(model.config), input_ids, attention_mask, steps)
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     runner = Inkling2DecodeGraphs(
         model, use_cuda_graphs=False, min_bucket=64, compile_config=CompileConfig(backend="eager", fullgraph=True)
     )
     static = Inkling2StaticCache(model.config, max_cache_len=64)
-    assert_same_logits(expected, run_steps(model, static, input_ids, attention_mask, steps, forward=runner), atol=0)
+    # config.patch, not monkeypatch: monkeypatch would delete the option on the way out (it is not in __dict__)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        actual = run_steps(model, static, input_ids, attention_mask, steps, forward=runner)
+    assert_same_logits(expected, actual, atol=0)

@@ -30,7 +30,7 @@ from torch import nn
 from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, keep_last, shift_rows_right
 from .configuration_inkling2 import Inkling2DSparkConfig
 from .norms import Inkling2RMSNorm
-from .static_cache_inkling2 import initial_slot_positions, shift_ring_rows_right
+from .static_cache_inkling2 import initial_slot_positions, shift_ring_rows_right, write_by_position
 
 HIDDEN = float("-inf")
 
@@ -95,13 +95,11 @@ class Inkling2DSparkStaticContext:
             self.real = torch.zeros(real.shape[0], self.capacity, dtype=torch.bool, device=real.device)
             self.positions = initial_slot_positions(self.capacity, real.device)
         new = real.shape[1]
-        positions = torch.arange(self.seen_tokens, self.seen_tokens + new, device=real.device)[-self.capacity :]
-        slots = positions.remainder(self.capacity)
+        positions = torch.arange(self.seen_tokens, self.seen_tokens + new, device=real.device)
+        entries = [(self.real, real.bool(), 1)]
         for ring_keys, ring_values, (keys, values) in zip(self.keys, self.values, layer_keys_values):
-            ring_keys.index_copy_(2, slots, keys[:, :, -self.capacity :])
-            ring_values.index_copy_(2, slots, values[:, :, -self.capacity :])
-        self.real.index_copy_(1, slots, real[:, -self.capacity :].bool())
-        self.positions.index_copy_(0, slots, positions)
+            entries += [(ring_keys, keys, 2), (ring_values, values, 2)]
+        write_by_position(self.positions, positions, entries)
         self.seen_tokens += new
 
     def crop(self, count: int) -> None:

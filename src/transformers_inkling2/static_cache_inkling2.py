@@ -36,6 +36,19 @@ def initial_slot_positions(capacity: int, device) -> torch.Tensor:
     return torch.arange(capacity, device=device) - capacity
 
 
+def write_by_position(
+    slot_positions: torch.Tensor, positions: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor, int]]
+) -> None:
+    """Stores new entries in position-indexed rings (slot = position mod ring size; the last `ring size` of them
+    when there are more) and records their positions. `entries`: (ring, new values, the dim both index by position)."""
+    capacity = slot_positions.shape[0]
+    positions = positions[-capacity:]
+    slots = positions.remainder(capacity)
+    for ring, new, dim in entries:
+        ring.index_copy_(dim, slots, new.narrow(dim, new.shape[dim] - positions.numel(), positions.numel()))
+    slot_positions.index_copy_(0, slots, positions)
+
+
 def shift_ring_rows_right(
     ring: torch.Tensor, slot_positions: torch.Tensor, shifts: torch.Tensor, dim: int
 ) -> torch.Tensor:
@@ -86,19 +99,8 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
 
     def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """Stores tokens at their slots (the last `capacity` of them when there are more)."""
-        if positions.numel() > self.capacity:
-            keep = self.capacity
-            positions, keys, values, valid = (
-                positions[-keep:],
-                keys[:, :, -keep:],
-                values[:, :, -keep:],
-                valid[:, -keep:],
-            )
-        slots = positions.remainder(self.capacity)
-        self.keys.index_copy_(2, slots, keys)
-        self.values.index_copy_(2, slots, values)
-        self.key_valid.index_copy_(1, slots, valid)
-        self.slot_positions.index_copy_(0, slots, positions)
+        write_by_position(self.slot_positions, positions, [(self.keys, keys, 2), (self.values, values, 2),
+                                                           (self.key_valid, valid, 1)])  # fmt: skip
 
     def attention_keys(self, keys, values, query_positions, token_mask, attend_length):
         """Writes the step's keys/values; returns what it attends to: (keys, values, key positions, key padding,
@@ -160,9 +162,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         slots = previous.remainder(self.conv_capacity)
         held = (ring_positions[slots] == previous).to(ring.dtype)
         context = torch.cat([ring.index_select(-1, slots) * held, new_inputs], dim=-1)
-        positions = query_positions[-self.conv_capacity :]
-        ring.index_copy_(-1, positions.remainder(self.conv_capacity), new_inputs[..., -self.conv_capacity :])
-        ring_positions.index_copy_(0, positions.remainder(self.conv_capacity), positions)
+        write_by_position(ring_positions, query_positions, [(ring, new_inputs, -1)])
         return context
 
     def get_seq_length(self) -> int:
@@ -267,4 +267,4 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         self.attend_length = None
 
 
-__all__ = ["Inkling2StaticCache", "shift_ring_rows_right"]
+__all__ = ["Inkling2StaticCache", "shift_ring_rows_right", "write_by_position"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import markdown_table  # noqa: E402
+from parallel import median_ms as parallel_median_ms  # noqa: E402
+from parallel import official_quantization, slice_config  # noqa: E402
 from random_weights import expert_format_of, fill_random_, seeded_generator  # noqa: E402
 
 OOM = "OOM"
@@ -48,30 +49,19 @@ OOM = "OOM"
 
 def full_config(quick: bool, layers: int | None = None):
     from transformers_inkling2 import Inkling2DSparkConfig, Inkling2TextConfig
-    from transformers_inkling2.configuration_inkling2 import FULL_LAYER, SLIDING_LAYER
-    from transformers_inkling2.tiny import tiny_dspark_config, tiny_text_config
+    from transformers_inkling2.configuration_inkling2 import FULL_LAYER
+    from transformers_inkling2.tiny import tiny_dspark_config
 
     if quick:  # the official head counts at toy width: 48 / 8 heads split like the real ones
-        types = [SLIDING_LAYER] * 3 + [FULL_LAYER]
-        quantization = {"formats": ["nvfp4"] * 3 + ["mxfp8"], "nvfp4_outer_scales": ["scale_2"],
-                        "nvfp4_outer_per_half": True}  # fmt: skip
-        heads = dict(num_attention_heads=48, num_key_value_heads=8, swa_num_attention_heads=48,
-                     swa_num_key_value_heads=8, head_dim=8, swa_head_dim=8)  # fmt: skip
         drafter = tiny_dspark_config(target_layer_ids=[0, 1, 2], mask_token_id=499)
-        return tiny_text_config(num_hidden_layers=4, layer_types=types, expert_quantization=quantization,
-                                vocab_size=512, unpadded_vocab_size=500, eos_token_id=None,
-                                dspark_config=drafter.to_dict(), **heads)  # fmt: skip
+        return slice_config(4, 1, quick=True, dspark_config=drafter.to_dict())
     config = Inkling2TextConfig(eos_token_id=None)
     types, mxfp8_from = config.layer_types, 40
     if layers is not None:  # the first layers of the official stack, whose last layer is full attention
         types = config.layer_types[: layers - 1] + [FULL_LAYER]
         mxfp8_from = layers - 1
     drafter = Inkling2DSparkConfig(target_layer_ids=sorted({min(i, len(types) - 2) for i in (1, 12, 23, 34, 45)}))
-    quantization = {
-        "formats": ["nvfp4"] * mxfp8_from + ["mxfp8"] * (len(types) - mxfp8_from),
-        "nvfp4_outer_scales": ["scale_2"],
-        "nvfp4_outer_per_half": True,
-    }
+    quantization = official_quantization(["nvfp4"] * mxfp8_from + ["mxfp8"] * (len(types) - mxfp8_from))
     return Inkling2TextConfig(num_hidden_layers=len(types), layer_types=types, expert_quantization=quantization,
                               eos_token_id=None, dspark_config=drafter.to_dict())  # fmt: skip
 
@@ -133,16 +123,8 @@ def synchronize(device) -> None:
 
 
 def median_ms(fn, device, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        started = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    """`parallel.median_ms` with every rank in step (a barrier around each call)."""
+    return parallel_median_ms(fn, warmup=warmup, repeats=repeats, sync=lambda: synchronize(device))
 
 
 def guarded(fn, device):

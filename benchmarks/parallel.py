@@ -41,21 +41,29 @@ from random_weights import expert_format_of, fill_random_, seeded_generator  # n
 PROMPT_TOKENS, COMPARED_POSITIONS, GREEDY_TOKENS = 512, 16, 32
 
 
-def slice_config(layers: int, mxfp8_layers: int, quick: bool):
+def official_quantization(formats: list[str]) -> dict:
+    """`expert_quantization` of a config whose layers' experts are stored as `formats` ("nvfp4" / "mxfp8" per layer),
+    with the official checkpoint's NVFP4 outer scales (`scale_2`, one per gate/up half)."""
+    return {"formats": formats, "nvfp4_outer_scales": ["scale_2"], "nvfp4_outer_per_half": True}
+
+
+def slice_config(layers: int, mxfp8_layers: int, quick: bool, **extra):
+    """`layers` layers (the last one full attention, the others sliding), the last `mxfp8_layers` with MXFP8 experts
+    and NVFP4 before; official widths, or with `quick` a toy width with the official head counts. `extra`: more
+    config fields."""
     from transformers_inkling2 import Inkling2TextConfig
     from transformers_inkling2.configuration_inkling2 import FULL_LAYER, SLIDING_LAYER
     from transformers_inkling2.tiny import tiny_text_config
 
     types = [SLIDING_LAYER] * (layers - 1) + [FULL_LAYER]
-    formats = ["nvfp4"] * (layers - mxfp8_layers) + ["mxfp8"] * mxfp8_layers
-    quantization = {"formats": formats, "nvfp4_outer_scales": ["scale_2"], "nvfp4_outer_per_half": True}
+    quantization = official_quantization(["nvfp4"] * (layers - mxfp8_layers) + ["mxfp8"] * mxfp8_layers)
     if quick:
         heads = dict(num_attention_heads=48, num_key_value_heads=8, swa_num_attention_heads=48,
                      swa_num_key_value_heads=8, head_dim=8, swa_head_dim=8)  # fmt: skip
         return tiny_text_config(num_hidden_layers=layers, layer_types=types, expert_quantization=quantization,
-                                vocab_size=512, unpadded_vocab_size=500, eos_token_id=None, **heads)  # fmt: skip
+                                vocab_size=512, unpadded_vocab_size=500, eos_token_id=None, **heads, **extra)  # fmt: skip
     return Inkling2TextConfig(num_hidden_layers=layers, layer_types=types, expert_quantization=quantization,
-                              eos_token_id=None)  # fmt: skip
+                              eos_token_id=None, **extra)  # fmt: skip
 
 
 def fill_randomly_(model, seed: int = 0) -> None:
@@ -88,15 +96,16 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
+def median_ms(fn, warmup: int = 1, repeats: int = 3, sync=synchronize) -> float:
+    """Median wall time of `fn`, with `sync()` (by default the GPU's) before and after each call."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        synchronize()
+        sync()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
 

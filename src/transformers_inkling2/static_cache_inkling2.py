@@ -110,8 +110,10 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         new_tokens = keys.shape[2]
-        valid = torch.ones(keys.shape[0], new_tokens, dtype=torch.bool, device=keys.device)
-        valid = valid if token_mask is None else token_mask.bool()
+        if token_mask is None:
+            valid = torch.ones(keys.shape[0], new_tokens, dtype=torch.bool, device=keys.device)
+        else:
+            valid = token_mask.bool()
         if attend_length is None:
             self.check_room(new_tokens)
             past = self.seen_tokens

@@ -6,9 +6,11 @@ replay of a CUDA graph holding R calls with R different routings and inputs (so 
 from L2), divided by R. Bandwidth = bytes of the ACTIVE experts' weights and scales (each read once) /
 time. Next to it: `torch._grouped_mm` on BF16 weights with the same routings (same accounting with BF16
 bytes), and the measured device-to-device copy bandwidth (bytes read + written) as the ceiling.
-Also: a small sweep of decode tile shapes, and prefill (T = 2048, 8192) throughput in TFLOP/s.
+Also: a small sweep of decode tile shapes, and prefill (T = 2048, 8192) throughput in TFLOP/s. Alone:
+`--sweep-only` (a wider decode tile sweep), `--prefill-sweep` (prefill tile shapes at 8192 tokens next to
+`torch._grouped_mm`), `--profile` (device time of each kernel of a decode-size call).
 
-    python benchmarks/moe_kernels.py [--out DIR] [--quick | --sweep-only]
+    python benchmarks/moe_kernels.py [--out DIR] [--quick | --sweep-only | --prefill-sweep | --profile]
 
 Prints a table and writes `moe_kernels_bench.md` + `.json` under --out (default $OUT, else ./).
 """
@@ -41,27 +43,27 @@ def load_kernel():
     return get_local_kernel(KERNEL_DIR)
 
 
-def make_weights(fmt, gen):
+def make_weights(fmt, gen, experts=E):
     def bytes_(lo, hi, shape):
         return torch.randint(lo, hi, shape, generator=gen, device="cuda", dtype=torch.uint8)
 
     if fmt == "bf16":
         kw = dict(generator=gen, device="cuda", dtype=torch.bfloat16)
-        return dict(w13=torch.randn(E, 2 * I, H, **kw).mul_(0.03), w2=torch.randn(E, H, I, **kw).mul_(0.03))
+        return dict(w13=torch.randn(experts, 2 * I, H, **kw).mul_(0.03), w2=torch.randn(experts, H, I, **kw).mul_(0.03))
     if fmt == "mxfp8":
         def e4m3(shape):
             b = bytes_(0, 256, shape)
             return torch.where((b & 0x7F) == 0x7F, b ^ 0x01, b).view(torch.float8_e4m3fn)
 
-        return dict(w13=e4m3((E, 2 * I, H)), w13_scale=bytes_(112, 117, (E, 2 * I, H // 32)),
-                    w2=e4m3((E, H, I)), w2_scale=bytes_(112, 117, (E, H, I // 32)))
+        return dict(w13=e4m3((experts, 2 * I, H)), w13_scale=bytes_(112, 117, (experts, 2 * I, H // 32)),
+                    w2=e4m3((experts, H, I)), w2_scale=bytes_(112, 117, (experts, H, I // 32)))
     return dict(
-        w13=bytes_(0, 256, (E, 2 * I, H // 2)),
-        w13_scale=bytes_(0x28, 0x41, (E, 2 * I, H // 16)).view(torch.float8_e4m3fn),
-        w13_outer=torch.rand(E, 2, generator=gen, device="cuda") * 0.01 + 0.004,
-        w2=bytes_(0, 256, (E, H, I // 2)),
-        w2_scale=bytes_(0x28, 0x41, (E, H, I // 16)).view(torch.float8_e4m3fn),
-        w2_outer=torch.rand(E, generator=gen, device="cuda") * 0.01 + 0.004,
+        w13=bytes_(0, 256, (experts, 2 * I, H // 2)),
+        w13_scale=bytes_(0x28, 0x41, (experts, 2 * I, H // 16)).view(torch.float8_e4m3fn),
+        w13_outer=torch.rand(experts, 2, generator=gen, device="cuda") * 0.01 + 0.004,
+        w2=bytes_(0, 256, (experts, H, I // 2)),
+        w2_scale=bytes_(0x28, 0x41, (experts, H, I // 16)).view(torch.float8_e4m3fn),
+        w2_outer=torch.rand(experts, generator=gen, device="cuda") * 0.01 + 0.004,
     )
 
 
@@ -70,17 +72,17 @@ def bytes_per_expert(fmt):
     return {"bf16": 2 * n, "mxfp8": n + n // 32, "nvfp4": n // 2 + n // 16 + 12}[fmt]
 
 
-def routing(tokens, gen):
-    scores = torch.rand(tokens, E, generator=gen, device="cuda")
-    scores = scores + torch.rand(E, generator=gen, device="cuda") * 0.2
+def routing(tokens, gen, experts=E):
+    scores = torch.rand(tokens, experts, generator=gen, device="cuda")
+    scores = scores + torch.rand(experts, generator=gen, device="cuda") * 0.2
     w, ids = torch.topk(scores, K, dim=-1)
     return ids, (w / w.sum(-1, keepdim=True)).float()
 
 
-def inputs(tokens, gen, rotations):
+def inputs(tokens, gen, rotations, experts=E):
     sets = []
     for _ in range(rotations):
-        ids, rw = routing(tokens, gen)
+        ids, rw = routing(tokens, gen, experts)
         x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
         sets.append((x, ids, rw, torch.empty(tokens, H, dtype=torch.bfloat16, device="cuda")))
     return sets
@@ -116,7 +118,7 @@ def grouped_mm_moe(x, ids, rw, w13t, w2t, out):
     t = x.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+    counts = torch.zeros(w13t.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     h = torch._grouped_mm(x[order // K], w13t, offs=offs)
@@ -132,9 +134,17 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true", help="skip the sweep and prefill")
     parser.add_argument("--sweep-only", action="store_true", help="only the decode tile sweep (wider)")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only prefill tile shapes at 8192 tokens, 16 and 384 experts, next to torch._grouped_mm")
+    parser.add_argument("--profile", action="store_true",
+                        help="only the device time of each kernel of one moe_forward at T = 1, 8, 64 (torch.profiler)")
     args = parser.parse_args()
     if args.sweep_only:
         return wide_sweep(args)
+    if args.prefill_sweep:
+        return prefill_sweep(args)
+    if args.profile:
+        return kernel_profile()
     km = load_kernel()
     gen = torch.Generator(device="cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -245,8 +255,11 @@ def wide_sweep(args):
     sets1 = inputs(1, gen, ROTATIONS)
     ms = graph_time_ms([(lambda s=s: km.route(s[1], E, 16)) for s in sets1])
     lines.append(f"| - | 1 | route only | {ms * 1e3:.1f} | | |")
-    shapes = {"nvfp4": [(64, 64, 128, 4, 3), (64, 64, 128, 8, 3), (128, 128, 128, 8, 3), (32, 32, 128, 4, 4)],
-              "mxfp8": [(64, 64, 128, 4, 3), (64, 64, 128, 8, 3), (128, 128, 128, 8, 3), (64, 64, 256, 8, 3)]}
+    # NVFP4 packs 64 bytes per weight row in a 128-wide K step: the 256-wide steps and deeper pipelines keep as
+    # many bytes in flight per program as MXFP8's 128-wide steps do
+    shapes = {"nvfp4": [(64, 64, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4),
+                        (32, 64, 256, 4, 3), (64, 64, 256, 8, 4)],
+              "mxfp8": [(64, 64, 128, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4), (64, 64, 256, 8, 3)]}
     for fmt in ("nvfp4", "mxfp8"):
         w = make_weights(fmt, gen)
         kw = {k: v for k, v in w.items() if k not in ("w13", "w2")}
@@ -254,7 +267,7 @@ def wide_sweep(args):
             sets = inputs(tokens, gen, ROTATIONS)
             nbytes = sum(int(torch.unique(ids).numel()) for _, ids, _, _ in sets) / len(sets) * bytes_per_expert(fmt)
             for i, (bn1, bn2, bk, nw, ns) in enumerate(shapes[fmt]):
-                for split in ((1, 2, 4) if tokens == 1 and i < 2 else (1,)):
+                for split in ((1, 2) if tokens == 1 and i == 0 else (1,)):
                     cfg = km.KernelConfig(16, bn1, bn2, bk, nw, ns, split)
                     try:
                         ms = graph_time_ms([(lambda s=s: km.moe_forward(s[0], s[1], s[2], w["w13"], w["w2"], fmt,
@@ -271,6 +284,76 @@ def wide_sweep(args):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe_kernels_sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def kernel_profile():
+    """Where one decode-size call goes: device time per kernel (routing, x conversion, the two GEMMs, combine),
+    averaged over 5 x ROTATIONS eager calls with different routings (no L2 flush: weights far exceed L2)."""
+    km = load_kernel()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    repeats = 5
+    for fmt in ("nvfp4", "mxfp8", "bf16"):
+        w = make_weights(fmt, gen)
+        for tokens in (1, 8, 64):
+            sets = inputs(tokens, gen, ROTATIONS)
+
+            def run():
+                for x, ids, rw, out in sets:
+                    km.moe_forward(x, ids, rw, fmt=fmt, out=out, **w)
+
+            run()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                for _ in range(repeats):
+                    run()
+                torch.cuda.synchronize()
+            per_kernel = {}
+            for event in profile.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time / (repeats * ROTATIONS)
+            ranked = sorted(per_kernel.items(), key=lambda item: -item[1])
+            print(f"{fmt} T={tokens}: " + " | ".join(f"{name} {us:.1f} us" for name, us in ranked), flush=True)
+        w = None
+        torch.cuda.empty_cache()
+
+
+def prefill_sweep(args):
+    """Prefill tile shapes (BM / BN gate_up / BN down / BK / warps / stages) at 8192 tokens: 16 BF16 experts (the
+    benchmark slices' experts: 4096 rows each) and 384 experts of each format (170 rows each)."""
+    from triton.testing import do_bench
+
+    km = load_kernel()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    tokens = 8192
+    shapes = [(128, 64, 128, 64, 8, 3), (128, 128, 128, 64, 8, 3), (128, 128, 256, 64, 8, 3),
+              (128, 128, 128, 64, 8, 4), (64, 128, 128, 64, 4, 3), (128, 64, 128, 64, 4, 4)]
+    lines = ["| experts | fmt | config | ms | TFLOP/s |", "|---|---|---|---|---|"]
+    for experts, formats in ((16, ("bf16",)), (E, ("bf16", "nvfp4", "mxfp8"))):
+        for fmt in formats:
+            w = make_weights(fmt, gen, experts)
+            kw = {k: v for k, v in w.items() if k not in ("w13", "w2")}
+            x, ids, rw, out = inputs(tokens, gen, 1, experts)[0]
+            flops = 6 * tokens * K * H * I
+            runs = [("default", lambda: km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kw, out=out))]
+            for shape in shapes:
+                cfg = km.KernelConfig(*shape)
+                runs.append((str(shape), lambda cfg=cfg: km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kw,
+                                                                        out=out, config=cfg)))
+            if fmt == "bf16":
+                w13t, w2t = w["w13"].transpose(1, 2), w["w2"].transpose(1, 2)
+                runs.append(("torch._grouped_mm", lambda: grouped_mm_moe(x, ids, rw, w13t, w2t, out)))
+            for name, run in runs:
+                try:
+                    ms = do_bench(run, warmup=10, rep=100, return_mode="median")
+                    lines.append(f"| {experts} | {fmt} | {name} | {ms:.2f} | {flops / ms / 1e9:.0f} |")
+                except Exception as exc:
+                    lines.append(f"| {experts} | {fmt} | {name} | error {str(exc)[:120]} | |")
+                print(lines[-1], flush=True)
+            w = kw = None
+            torch.cuda.empty_cache()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe_kernels_prefill_sweep.md").write_text("\n".join(lines) + "\n")
 
 
 def sweep_configs(km, fmt, tokens):

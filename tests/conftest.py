@@ -1,5 +1,11 @@
 """Shared fixtures: tiny configs, our model and transformers' built-in `inkling2` (the oracle) on equal weights."""
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -29,6 +35,38 @@ ORACLE_TEXT_CONFIG = dict(
     eos_token_id=None,
     log_scaling_n_floor=6,
 )
+
+
+# Runs Triton kernels on CPU tensors under Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when
+# triton is imported). The prelude works around numpy >= 2.4 refusing int() of a 1-element 1-d array, which
+# triton 3.6's interpreter does for `range(..)` bounds held in tensors.
+_INTERPRETER_PRELUDE = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+from triton.runtime import interpreter as _interp
+
+_original_patch = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    _original_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+_interp._patch_lang_tensor = _patch_lang_tensor
+"""
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def run_under_triton_interpreter(script: str, *args: str) -> dict:
+    """Runs `script` (which prints a JSON object as its last line) under the interpreter; returns that object."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_PRELUDE + script, *args], env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def pytest_configure(config):

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_triton, run_under_triton_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_DIR = REPO / "hub_kernels" / "inkling2_moe"
@@ -338,18 +337,8 @@ def test_routing_is_graph_sized(km):
 
 _INTERPRETER_SCRIPT = textwrap.dedent(
     r"""
-    import json, os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
+    import json, sys
     import torch
-    from triton.runtime import interpreter as _interp
-
-    # numpy >= 2.4 refuses int() of a 1-element 1-d array, which triton 3.6's interpreter does for
-    # `range(..)` bounds held in tensors; read the element explicitly.
-    _orig = _interp._patch_lang_tensor
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    _interp._patch_lang_tensor = _patched
 
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, sys.argv[2])
@@ -359,7 +348,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
     results = {}
     gen = torch.Generator().manual_seed(11)
-    for tokens, experts, top_k, bm in [(3, 8, 2, 16), (40, 16, 8, 16), (77, 384, 8, 16), (300, 16, 2, 64)]:
+    # pairwise ranks (<= 2048 slots; the last with more programs than experts), then histograms (> 2048)
+    for tokens, experts, top_k, bm in [(3, 8, 2, 16), (40, 16, 8, 16), (77, 384, 8, 16), (300, 16, 2, 64),
+                                       (1000, 8, 2, 16), (300, 16, 8, 16)]:
         ids, _ = t.realistic_routing(tokens, experts, top_k, gen)
         ids[0, 0] = -1
         a, b = km.route_reference(ids, experts, bm), ops._route_triton(ids, experts, bm)
@@ -407,15 +398,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_SCRIPT, str(VARIANT_DIR), str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_under_triton_interpreter(_INTERPRETER_SCRIPT, str(VARIANT_DIR), str(Path(__file__).parent))
     for name, value in results.items():
         if name.startswith("route"):
             assert value is True, name

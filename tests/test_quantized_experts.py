@@ -267,3 +267,26 @@ def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp
     reference = experts.loop_over_experts(x.float(), expert_ids, weights)
     kernel = experts.to("cuda")(x.cuda(), expert_ids.cuda(), weights.cuda()).float().cpu()
     assert ((kernel - reference).norm() / reference.norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+def test_bf16_experts_run_the_hub_kernel_for_inference_on_gpu(monkeypatch):
+    """BF16 experts on CUDA without gradients take the fused kernel (not the grouped GEMMs) and agree with the
+    reference loop; with gradients flowing they keep the differentiable grouped path."""
+    config = Inkling2TextConfig(**{**CONFIG, "hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16})
+    experts = randomize_(Inkling2Experts(config), seed=7).to("cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 256, generator=generator).to("cuda", torch.bfloat16)
+    expert_ids = torch.stack([torch.randperm(16, generator=generator)[:2] for _ in range(37)]).cuda()
+    weights = (torch.rand(37, 2, generator=generator) * 2).cuda()
+    config._experts_implementation = "eager"
+    reference = experts(x.float(), expert_ids, weights).float()
+    config._experts_implementation = "grouped_mm"
+    grouped_calls = []
+    monkeypatch.setattr(Inkling2Experts, "grouped", lambda self, *args: grouped_calls.append(1) or reference)
+    with torch.no_grad():
+        kernel = experts(x, expert_ids, weights).float()
+    assert not grouped_calls
+    assert ((kernel - reference).norm() / reference.norm()).item() <= 1e-2
+    experts(x.requires_grad_(), expert_ids, weights)
+    assert grouped_calls == [1]

@@ -5,7 +5,8 @@ output is the routing-weighted sum of its experts' outputs, accumulated in fp32.
 
 - `Inkling2Experts`: BF16 (or fp32) weights `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj`
   [E, H, I]. `experts_implementation="grouped_mm"` (the default) runs one `torch._grouped_mm` per projection over
-  the tokens sorted by expert; `"eager"` is the reference loop over the experts that received tokens.
+  the tokens sorted by expert (training, CPU, fp32) or, for BF16 inference on CUDA, the `inkling2_moe` hub kernel;
+  `"eager"` is the reference loop over the experts that received tokens.
 - `Inkling2QuantizedExperts`: NVFP4 or MXFP8 weights that stay packed in memory (see `quantized_formats`). On CUDA
   they run through the `inkling2_moe` hub kernel (fused dequantization); elsewhere, and with
   `experts_implementation="eager"`, each active expert is dequantized on the fly and computed like the BF16 reference.
@@ -102,6 +103,35 @@ class Inkling2ExpertsBase(nn.Module):
             output.index_add_(0, token, expert_output.float())
         return self.finish(output, x.dtype)
 
+    def kernel_weights(self) -> dict:
+        """The `moe_forward` arguments that describe this module's weights (format, tensors, scales)."""
+        raise NotImplementedError
+
+    def run_kernel(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The `inkling2_moe` hub kernel (routing, fused dequantization, softcapped SwiGLU and combine in a handful of
+        launches, no host sync: Triton on CUDA tensors, the kernel package's own PyTorch reference elsewhere);
+        bf16 activations."""
+        from .kernel_loading import moe_kernel
+
+        return self.finish(
+            moe_kernel().moe_forward(
+                x.to(torch.bfloat16),
+                self.local_expert_ids(expert_ids),  # the kernel drops ids outside [0, experts): other ranks' routes
+                weights.float(),
+                gate_cap=self.gate_cap,
+                up_cap=self.up_cap,
+                **self.kernel_weights(),
+            ),
+            x.dtype,
+        )
+
+    def uses_kernel(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        """Inference on CUDA with the default implementation: the kernel has no backward, so with gradients flowing
+        (into the activations, the routing weights or trainable expert weights) the differentiable paths run."""
+        trainable = (x, weights, *self.parameters())
+        needs_grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in trainable)
+        return x.is_cuda and not needs_grad and experts_implementation(self.config) == "grouped_mm"
+
 
 class Inkling2Experts(Inkling2ExpertsBase):
     """Routed experts as stacked BF16 weights."""
@@ -117,7 +147,15 @@ class Inkling2Experts(Inkling2ExpertsBase):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if experts_implementation(self.config) == "eager":
             return self.loop_over_experts(x, expert_ids, weights)
+        # BF16 weights that need no gradient (inference, or LoRA elsewhere): the fused kernel reads each active expert
+        # once and fuses the activation; it is faster than the grouped GEMMs from decoding to 8k-token prefills
+        # (docs/benchmarks.md)
+        if self.gate_up_proj.dtype == torch.bfloat16 and self.uses_kernel(x, weights):
+            return self.run_kernel(x, expert_ids, weights)
         return self.grouped(x, expert_ids, weights)
+
+    def kernel_weights(self) -> dict:
+        return dict(w13=local_tensor(self.gate_up_proj), w2=local_tensor(self.down_proj), fmt="bf16")
 
     def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sorts the (token, slot) pairs by expert and runs each projection as one grouped GEMM; no host sync.
@@ -226,35 +264,22 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
         return super().expert_mlp(x, expert)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # the kernel has no backward: with gradients flowing, the differentiable reference runs
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
-        if x.is_cuda and not needs_grad and experts_implementation(self.config) == "grouped_mm":
+        if self.uses_kernel(x, weights):
             return self.run_kernel(x, expert_ids, weights)
         return self.loop_over_experts(x, expert_ids, weights)
 
-    def run_kernel(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The `inkling2_moe` hub kernel on the packed buffers as they are (Triton on CUDA tensors, the kernel
-        package's own PyTorch reference elsewhere); bf16 activations."""
-        from .kernel_loading import moe_kernel
-
+    def kernel_weights(self) -> dict:
+        """The packed buffers as they are; the NVFP4 outer scales were checked at load (`validate_quantized_experts`),
+        so no host sync here and decode steps can be captured."""
         nvfp4 = self.format == "nvfp4"
-        return self.finish(
-            moe_kernel().moe_forward(
-                x.to(torch.bfloat16),
-                self.local_expert_ids(expert_ids),  # the kernel drops ids outside [0, experts): other ranks' routes
-                weights.float(),
-                local_tensor(self.gate_up_proj),
-                local_tensor(self.down_proj),
-                self.format,
-                w13_scale=local_tensor(self.gate_up_proj_scale),
-                w2_scale=local_tensor(self.down_proj_scale),
-                # checked at load (`validate_quantized_experts`): no host sync here, so decode steps can be captured
-                w13_outer=self.outer_multiplier("gate_up_proj", validate=False) if nvfp4 else None,
-                w2_outer=self.outer_multiplier("down_proj", validate=False) if nvfp4 else None,
-                gate_cap=self.gate_cap,
-                up_cap=self.up_cap,
-            ),
-            x.dtype,
+        return dict(
+            w13=local_tensor(self.gate_up_proj),
+            w2=local_tensor(self.down_proj),
+            fmt=self.format,
+            w13_scale=local_tensor(self.gate_up_proj_scale),
+            w2_scale=local_tensor(self.down_proj_scale),
+            w13_outer=self.outer_multiplier("gate_up_proj", validate=False) if nvfp4 else None,
+            w2_outer=self.outer_multiplier("down_proj", validate=False) if nvfp4 else None,
         )
 
     def extra_repr(self) -> str:

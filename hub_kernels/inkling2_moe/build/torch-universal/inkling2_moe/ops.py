@@ -18,7 +18,7 @@ from .reference import (
 __all__ = ["KernelConfig", "moe_forward", "pick_config", "route"]
 
 _FMT_CODE = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
-_SMALL_ROUTE_SLOTS = 256  # up to this many slots one program routes everything (one launch)
+_RANK_ROUTE_SLOTS = 2048  # up to this many slots routing ranks slots pairwise (two launches), beyond: histograms
 _ROUTE_CHUNK = 256
 _ROUTE_BLOCK = 64
 
@@ -53,7 +53,8 @@ def pick_config(num_slots: int, num_experts: int, fmt: str) -> KernelConfig:
     Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 bytes per weight row per K
     step; quantized formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and
     fastest in the H200 sweep recorded in docs/benchmarks.md, where splitting K did not help at T=1).
-    Prefill: large M tiles so that each dequantized weight tile feeds many rows.
+    Prefill: large M tiles so that each dequantized weight tile feeds many rows; the shapes for more than 96
+    rows per expert are the fastest of the 8192-token sweep in docs/benchmarks.md.
     """
     per_expert = num_slots / max(num_experts, 1)
     if per_expert <= 8:
@@ -63,7 +64,11 @@ def pick_config(num_slots: int, num_experts: int, fmt: str) -> KernelConfig:
     k_prefill = {"bf16": 64, "mxfp8": 64, "nvfp4": 128}[fmt]
     if per_expert <= 96:
         return KernelConfig(64, 64, 128, k_prefill, 4, 3)
-    return KernelConfig(128, 64, 128, k_prefill, 8, 3)
+    return {
+        "bf16": KernelConfig(128, 128, 256, 64, 8, 3),
+        "mxfp8": KernelConfig(128, 64, 128, 64, 4, 4),
+        "nvfp4": KernelConfig(128, 64, 128, 128, 8, 3),
+    }[fmt]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -89,11 +94,13 @@ def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> R
     tile_expert = torch.empty(n_tiles, dtype=i32, device=dev)
     tile_start = torch.empty(n_tiles, dtype=i32, device=dev)
     tb = max(8, min(32, 16384 // nb))
-    if s <= _SMALL_ROUTE_SLOTS:
-        k._route_small_kernel[(1,)](
-            ids, sorted_slots, position, offsets, tile_expert, tile_start, s, num_experts, n_tiles,
-            BM=block_m, B=_ROUTE_BLOCK, NB=nb, TB=tb, num_warps=4,
-        )
+    if s <= _RANK_ROUTE_SLOTS:
+        rb = min(_ROUTE_BLOCK, max(16, _next_pow2(s)))
+        programs = _next_pow2(_cdiv(s, rb))  # each also counts the offsets of nb / programs experts (at least one)
+        k._route_rank_kernel[(programs,)](ids, sorted_slots, position, offsets, s, num_experts, RB=rb, NB=nb,
+                                          NBP=max(1, nb // programs), num_warps=4)
+        k._route_tiles_kernel[(1,)](offsets, tile_expert, tile_start, num_experts, n_tiles, BM=block_m, NB=nb,
+                                    TB=tb, num_warps=4)
     else:
         chunks = -(-s // _ROUTE_CHUNK)
         hist = torch.empty(chunks, nb, dtype=i32, device=dev)
@@ -110,7 +117,7 @@ def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> R
 def route(expert_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
     """Group the ``T * top_k`` slots of ``expert_ids [T, top_k]`` by expert (see :class:`Routing`).
 
-    On CUDA this is one launch (<= 256 slots) or three, with grids fixed by the slot count: no host
+    On CUDA this is two launches (<= 2048 slots) or three, with grids fixed by the slot count: no host
     synchronization, CUDA-graph capturable. Elsewhere it is :func:`route_reference`.
     """
     if block_m not in (16, 32, 64, 128):

@@ -2,7 +2,9 @@
 refuses `triton` as a declared Python dependency.
 
 Routing (no host sync, sizes bounded by the slot count):
-  small:  one program does histogram, offsets, tile list and scatter (decode sizes);
+  decode sizes: programs rank blocks of slots against all slots (a stable counting sort without a histogram:
+          position = #smaller keys + #earlier equal keys) and count the offsets of a share of the experts;
+          then one program writes the tile list from the offsets;
   large:  per-chunk histograms -> one program scans them (chunk bases, offsets, tiles) -> per-chunk scatter.
 Experts:
   _gate_up_kernel  grid (tiles, cdiv(I, BN)): x rows gathered by token, gate and up rows of the same
@@ -65,34 +67,63 @@ def _scatter(ids_ptr, sorted_ptr, position_ptr, next_pos, start, stop, num_slots
 
 
 @triton.jit
+def _write_tiles(offsets, counts, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles,
+                 BM: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr):
+    """Tile list from each expert's first sorted row and row count: expert e's tiles are consecutive, tile k
+    starting at row offsets[e] + k * BM; entries past the last tile are -1 (their programs exit)."""
+    bins = tl.arange(0, NB)
+    tiles = tl.where(bins < num_experts, (counts + BM - 1) // BM, 0)
+    first_tile = tl.cumsum(tiles, axis=0) - tiles
+    total = tl.sum(tiles, axis=0)
+    for k in range(0, tl.max(tiles, axis=0)):  # one pass per tile of the fullest expert
+        has = k < tiles
+        tl.store(tile_expert_ptr + first_tile + k, bins, mask=has)
+        tl.store(tile_start_ptr + first_tile + k, offsets + k * BM, mask=has)
+    for t0 in range(0, n_tiles, TB):
+        t = t0 + tl.arange(0, TB)
+        unused = (t >= total) & (t < n_tiles)
+        tl.store(tile_expert_ptr + t, tl.full((TB,), -1, tl.int32), mask=unused)
+        tl.store(tile_start_ptr + t, tl.zeros((TB,), tl.int32), mask=unused)
+
+
+@triton.jit
 def _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles,
                        BM: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr):
     bins = tl.arange(0, NB)
     offsets = tl.cumsum(counts, axis=0) - counts
     tl.store(offsets_ptr + bins, offsets, mask=bins <= num_experts)
-    tiles = tl.where(bins < num_experts, (counts + BM - 1) // BM, 0)
-    tile_end = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0)
-    row_base = offsets - (tile_end - tiles) * BM  # start row of tile t of expert e: row_base[e] + t * BM
-    for t0 in range(0, n_tiles, TB):
-        t = t0 + tl.arange(0, TB)
-        # tile_end is non-decreasing: the experts whose tiles all end at or before t precede t's expert.
-        e_of_t = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        base = tl.sum(tl.where(bins[None, :] == e_of_t[:, None], row_base[None, :], 0), axis=1)
-        valid = t < total
-        tl.store(tile_expert_ptr + t, tl.where(valid, e_of_t, -1), mask=t < n_tiles)
-        tl.store(tile_start_ptr + t, tl.where(valid, base + t * BM, 0), mask=t < n_tiles)
+    _write_tiles(offsets, counts, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles, BM, NB, TB)
     return offsets
 
 
 @triton.jit
-def _route_small_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
-                        num_slots, num_experts, n_tiles,
-                        BM: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr):
-    counts = _histogram(ids_ptr, 0, num_slots, num_slots, num_experts, B, NB)
-    offsets = _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles,
-                                 BM, NB, TB)
-    _scatter(ids_ptr, sorted_ptr, position_ptr, offsets, 0, num_slots, num_slots, num_experts, B, NB)
+def _route_rank_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, num_slots, num_experts,
+                       RB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+    """grid (G,): program p sorts slots [p*RB, p*RB + RB) to their positions (#slots with a smaller key + #earlier
+    slots with the same key: stable) and writes expert_offsets of experts [p*NBP, p*NBP + NBP) (#slots with a
+    smaller key). O(slots^2) compares, spread over the programs: cheaper than histograms at decode sizes."""
+    p = tl.program_id(0)
+    offs_i, inb_i, key_i = _slot_keys(ids_ptr, p * RB, num_slots, num_experts, RB, NB)
+    bins = p * NBP + tl.arange(0, NBP)
+    position = tl.zeros((RB,), dtype=tl.int32)
+    below = tl.zeros((NBP,), dtype=tl.int32)
+    for j0 in range(0, num_slots, RB):  # padding lanes have key NB: never smaller, never equal
+        offs_j, inb_j, key_j = _slot_keys(ids_ptr, j0, num_slots, num_experts, RB, NB)
+        earlier_equal = (key_j[None, :] == key_i[:, None]) & (offs_j[None, :] < offs_i[:, None])
+        position += tl.sum(((key_j[None, :] < key_i[:, None]) | earlier_equal).to(tl.int32), axis=1)
+        below += tl.sum((key_j[:, None] < bins[None, :]).to(tl.int32), axis=0)
+    tl.store(sorted_ptr + position, offs_i.to(tl.int32), mask=inb_i)
+    tl.store(position_ptr + offs_i, position, mask=inb_i)
+    tl.store(offsets_ptr + bins, below, mask=bins <= num_experts)
+
+
+@triton.jit
+def _route_tiles_kernel(offsets_ptr, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles,
+                        BM: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr):
+    bins = tl.arange(0, NB)
+    offsets = tl.load(offsets_ptr + bins, mask=bins <= num_experts, other=0)
+    counts = tl.load(offsets_ptr + bins + 1, mask=bins < num_experts, other=0) - offsets
+    _write_tiles(offsets, counts, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles, BM, NB, TB)
 
 
 @triton.jit

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_triton, run_under_triton_interpreter
 
 from transformers_inkling2.attention import ATTENTION_BACKENDS, eager_attention
 from transformers_inkling2.attention_flex import (
@@ -151,6 +153,51 @@ def test_decode_with_fewer_keys_than_the_extent(backend_name):
     inputs = random_inputs(seed=21, queries=3, keys=10, extent=24)
     for window in (16, None):
         assert max_difference(BACKENDS[backend_name], inputs, window, 0.25) <= FP32_TOLERANCE
+
+
+_DECODE_KERNEL_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_attention_backends import random_inputs
+from transformers_inkling2.attention import eager_attention
+from transformers_inkling2.attention_decode_kernel import decode_attention
+
+cases = {  # name: (inputs, window); keys split over several programs in all but the smallest
+    "long keys, padding": (dict(seed=40, queries=8, keys=400, first_query=500, padding=(0, 390)), 16),
+    "long keys, full": (dict(seed=41, queries=1, keys=400, first_query=500, padding=(0, 390)), None),
+    "fewer keys than the extent": (dict(seed=42, queries=3, keys=10), None),
+    "a row without keys (all on the sink)": (dict(seed=43, queries=2, keys=70, first_query=80, padding=(0, 70)), 16),
+    "one kv head per query head": (dict(seed=44, queries=5, keys=130, heads=4, kv_heads=4), None),
+}
+results = {}
+for name, (options, window) in cases.items():
+    inputs = random_inputs(**options)
+    expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
+    results[name] = (decode_attention(**inputs, sliding_window=window, scaling=0.25) - expected).abs().max().item()
+    # the same keys held in a ring (slot = position mod K), as the static cache's sliding layers hold them
+    slots = inputs["key_positions"].remainder(inputs["key"].shape[2])
+    for tensor_name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
+        if inputs[tensor_name] is not None:
+            inputs[tensor_name] = torch.empty_like(inputs[tensor_name]).index_copy_(dim, slots, inputs[tensor_name])
+    inputs["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
+    ring = decode_attention(**inputs, sliding_window=window, scaling=0.25)
+    results[name + ", ring"] = (ring - expected).abs().max().item()
+# a custom op: torch.compile (fullgraph, as the compiled decode steps run) calls it as it is
+inputs = random_inputs(seed=45, queries=2, keys=70, first_query=80, padding=(0, 7))
+compiled = torch.compile(lambda **kw: decode_attention(**kw, sliding_window=16, scaling=0.25), fullgraph=True)
+eager = decode_attention(**inputs, sliding_window=16, scaling=0.25)
+results["compiled"] = (compiled(**inputs) - eager).abs().max().item()
+print(json.dumps(results))
+"""
+
+
+@needs_triton
+def test_decode_kernel_under_the_triton_interpreter_equals_eager():
+    """The fused decode kernel (what CUDA tensors run), on CPU under Triton's interpreter (fp32 MMAs there)."""
+    results = run_under_triton_interpreter(_DECODE_KERNEL_SCRIPT, str(Path(__file__).parent))
+    assert len(results) == 11 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
+    assert results["compiled"] == 0
 
 
 def test_flex_decode_with_more_folded_rows_than_a_block():
@@ -369,6 +416,43 @@ def test_gpu_decode_bf16_full_size(queries, backend_name):
             expected = eager_attention(**reference, sliding_window=window, scaling=128**-0.5)
             fast16 = BACKENDS[backend_name](**low, sliding_window=window, scaling=128**-0.5)
         assert torch.isfinite(fast16).all() and relative_error(fast16, expected) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("queries", [1, 8])
+def test_gpu_decode_kernel_equals_the_pytorch_path(queries):
+    """The fused kernel that `inkling2_decode` runs on CUDA against its PyTorch path (what it runs on CPU tensors,
+    here on CPU copies): fp32 (same inputs, tight: IEEE MMAs) and bf16 at full size (both against the fp32
+    reference: the kernel's error at most 1.5x the PyTorch path's own bf16 error plus 1e-3), keys in order and in a
+    ring, with padding and an all-sink row."""
+
+    def pytorch_path(inputs, window):
+        on_cpu = {name: t.cpu() if t is not None else None for name, t in inputs.items()}
+        return inkling2_decode_attention(**on_cpu, sliding_window=window, scaling=0.25).cuda()
+
+    from transformers_inkling2.attention_decode_kernel import decode_attention
+
+    cases = [
+        (dict(batch=3, heads=12, kv_heads=2, keys=300, head_dim=32, extent=24, padding=(0, 10, 300)), torch.float32),
+        (dict(batch=2, heads=48, kv_heads=8, keys=5000, head_dim=128, extent=1024, padding=(0, 40)), torch.bfloat16),
+    ]
+    for options, dtype in cases:
+        reference = random_inputs(seed=queries, queries=queries, first_query=6000, device="cuda", **options)
+        inputs = {name: t.to(dtype) if t is not None and t.is_floating_point() else t for name, t in reference.items()}
+        for window in (1024, None):
+            expected = pytorch_path(reference, window)
+            own_error = relative_error(pytorch_path(inputs, window), expected)
+            fused = decode_attention(**inputs, sliding_window=window, scaling=0.25)
+            slots = inputs["key_positions"].remainder(options["keys"])
+            ring = dict(inputs)
+            for name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
+                ring[name] = torch.empty_like(inputs[name]).index_copy_(dim, slots, inputs[name])
+            ring["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
+            fused_ring = decode_attention(**ring, sliding_window=window, scaling=0.25)
+            bound = 1e-5 if dtype == torch.float32 else 1.5 * own_error + 1e-3
+            assert relative_error(fused, expected) <= bound and relative_error(fused_ring, expected) <= bound
+            if options["padding"][-1] == options["keys"]:
+                assert fused[-1].abs().max() == 0  # the fully padded row puts everything on the sink
 
 
 @pytest.mark.gpu

@@ -332,8 +332,18 @@ def inkling2_decode_attention(
     sliding_window: int | None,
     scaling: float,
 ) -> torch.Tensor:
-    """Same contract as `eager_attention`, for a few queries (decode, speculative verification). Materializes the
-    [B, H, Q, K] scores in fp32, which is small for Q <= 8; everything else is O(Q * extent) or O(K)."""
+    """Same contract as `eager_attention`, for a few queries (decode, speculative verification). On CUDA, without
+    gradients, one fused Triton kernel (`attention_decode_kernel`); otherwise, and as its reference, this PyTorch
+    path, which materializes the [B, H, Q, K] scores in fp32 (small for Q <= 8); everything else is O(Q * extent) or
+    O(K)."""
+    if query.is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+        from . import attention_decode_kernel
+
+        if attention_decode_kernel.supports(query, key):
+            return attention_decode_kernel.decode_attention(
+                query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding,
+                sliding_window, scaling,
+            )  # fmt: skip
     batch, heads, query_length, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
     groups, extent = heads // kv_heads, relative_logits.shape[-1]

@@ -205,7 +205,8 @@ def test_cuda_graph_replays_equal_eager_steps():
 
     expected = generate(use_cuda_graphs=False)
     assert torch.equal(generate(use_cuda_graphs=True), expected)
-    captured = {key: step for key, step in target._static_cache.graphs.items() if key[-1]}  # not the eager ones
+    graphs = target._static_cache.graphs
+    captured = {key: step for key, step in graphs.items() if key[3]}  # key[3]: use_cuda_graphs (not the eager ones)
     assert captured and all(step.graph is not None for step in captured.values())
     assert {key[0] for key in captured} == {32, 64}
     assert torch.equal(generate(use_cuda_graphs=True, dspark=True), generate(use_cuda_graphs=False, dspark=True))

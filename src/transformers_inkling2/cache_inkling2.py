@@ -26,11 +26,18 @@ K_CONV, V_CONV, POST_ATTENTION_CONV, POST_MLP_CONV = range(NUM_CONVOLUTIONS)
 
 
 def keep_last(tensor: torch.Tensor | None, new: torch.Tensor, dim: int, limit: int | None) -> torch.Tensor:
-    """`cat(tensor, new)` along `dim`, trimmed to its last `limit` entries (all of them when `limit` is None)."""
-    joined = new if tensor is None else torch.cat([tensor, new], dim=dim)
-    if limit is not None and joined.shape[dim] > limit:
-        joined = joined.narrow(dim, joined.shape[dim] - limit, limit)
-    return joined
+    """`cat(tensor, new)` along `dim`, trimmed to its last `limit` entries (all of them when `limit` is None). Only
+    the kept entries are copied, and a tail cut from a much longer `new` is a copy of its own: a prompt's activations
+    are neither joined in full nor held alive by the few entries the cache keeps of them."""
+    if limit is not None and new.shape[dim] >= limit:
+        tail = new.narrow(dim, new.shape[dim] - limit, limit)
+        return tail.clone() if new.shape[dim] > 2 * limit else tail
+    if tensor is None:
+        return new
+    if limit is not None and tensor.shape[dim] + new.shape[dim] > limit:
+        held = limit - new.shape[dim]
+        tensor = tensor.narrow(dim, tensor.shape[dim] - held, held)
+    return torch.cat([tensor, new], dim=dim)
 
 
 def shift_rows_right(tensor: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:

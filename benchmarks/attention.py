@@ -4,14 +4,15 @@ Two parts, both at Inkling-2-Small attention width (48 q / 8 kv heads, head_dim 
 extent 1024, d_rel 16):
 
 1. Attention only, one call of one layer (batch 1, bf16) at 8k and 32k tokens: `inkling2_flex` on a full layer
-   (band with bias + far part, LSE merge with the sink) and on a sliding layer; next to it FlexAttention without
+   (band with bias + far part, LSE merge with the sink) and on a sliding layer, `inkling2_triton` (our fused
+   kernel, bias read in-tile) on both; next to it FlexAttention without
    bias or sink on the same masks, PyTorch SDPA causal without bias (flash / cuDNN), and our eager reference.
    TFLOP/s count 4 * B * H * Q * K_visible * D (K_visible summed over the queries; no FLOPs for masked keys).
 2. A 6-layer slice of the model (5 sliding + 1 full layer, hidden 4608, BF16 experts but only
    `--experts` of them (default 16, top-8) so both models fit beside each other): prefill tokens/s of the decoder
-   (no lm_head) at 2k, 8k, 32k, 128k and then doubling until it no longer fits, for ours (`inkling2_flex`,
-   chunked when the config has `prefill_chunk_size`) and the built-in (eager; the oracle), both on the same
-   weights; with the peak memory of each run.
+   (no lm_head) at 2k, 8k, 32k, 128k and then doubling until it no longer fits (for `--longest-backend`), for
+   ours (`inkling2_flex` and `inkling2_triton`, chunked when the config has `prefill_chunk_size`) and the
+   built-in (eager; the oracle), all on the same weights; with the peak memory of each run.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -252,6 +253,7 @@ def attention_microbenchmark(lengths: list[int], repeats: int) -> list[dict]:
     from transformers_inkling2.attention_flex import (
         distance_block_mask,
         inkling2_flex_attention,
+        inkling2_triton_attention,
     )
 
     compiled_flex = torch.compile(flex_attention, dynamic=True, fullgraph=True)
@@ -270,6 +272,9 @@ def attention_microbenchmark(lengths: list[int], repeats: int) -> list[dict]:
             def ours():
                 return inkling2_flex_attention(**inputs, sliding_window=window, scaling=HEAD_DIM**-0.5)
 
+            def ours_triton():
+                return inkling2_triton_attention(**inputs, sliding_window=window, scaling=HEAD_DIM**-0.5)
+
             def flex_plain():
                 mask = distance_block_mask(offset, tokens, tokens, 0, window, None)
                 return compiled_flex(query, key, value, block_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True,
@@ -278,7 +283,8 @@ def attention_microbenchmark(lengths: list[int], repeats: int) -> list[dict]:
             def eager():
                 return eager_attention(**inputs, sliding_window=window, scaling=HEAD_DIM**-0.5)
 
-            methods = [("inkling2_flex (bias + sink)", ours), ("flex, no bias / sink", flex_plain)]
+            methods = [("inkling2_flex (bias + sink)", ours), ("inkling2_triton (bias in-tile + sink)", ours_triton),
+                       ("flex, no bias / sink", flex_plain)]
             if layer == "full":
                 wide_key = key.repeat_interleave(HEADS // KV_HEADS, 1)
                 wide_value = value.repeat_interleave(HEADS // KV_HEADS, 1)
@@ -334,10 +340,13 @@ def prefill_benchmark(args) -> tuple[list[dict], str]:
     warm = None
 
     lengths = list(args.lengths)
-    candidates = [("ours (inkling2_flex)", ours, chunking is not None)]
+    candidates = [(f"ours ({backend})", ours, chunking is not None, backend)
+                  for backend in ("inkling2_flex", "inkling2_triton")]
     if oracle is not None:
-        candidates.append(("built-in inkling2 (eager)", oracle, False))
-    for name, model, chunked in candidates:
+        candidates.append(("built-in inkling2 (eager)", oracle, False, None))
+    for name, model, chunked, backend in candidates:
+        if backend is not None:
+            model.config._attn_implementation = backend
         fitted_last = True
         for tokens in lengths:
             if not fitted_last and model is oracle:
@@ -350,7 +359,7 @@ def prefill_benchmark(args) -> tuple[list[dict], str]:
             rows.append(dict(model=name, tokens=tokens, ms=ms, peak_gib=peak,
                              tokens_per_s=None if isinstance(ms, str) else tokens / ms * 1e3))
             print(json.dumps(rows[-1]), flush=True)
-        if model is ours and not args.quick:
+        if model is ours and not args.quick and backend == args.longest_backend:
             # the longest prefill that fits: double until OOM, the limit, or a run over the time budget
             tokens, last_seconds = max(lengths) * 2, 0.0
             while tokens <= args.max_tokens and last_seconds < args.longest_budget_s / 4:
@@ -378,6 +387,8 @@ def main():
     parser.add_argument("--chunk", type=int, default=16384, help="prefill chunk, when our model supports it")
     parser.add_argument("--max-tokens", type=int, default=1 << 19, help="upper end of the longest-prefill search")
     parser.add_argument("--longest-budget-s", type=float, default=120.0)
+    parser.add_argument("--longest-backend", default="inkling2_flex", choices=("inkling2_flex", "inkling2_triton"),
+                        help="the backend whose longest prefill is searched")
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
     parser.add_argument("--skip-attention", action="store_true", help="model slice prefill only")
@@ -403,8 +414,8 @@ def main():
         model_rows, chunking = prefill_benchmark(args)
         report += [f"\n## Prefill of a 6-layer slice (5 sliding + 1 full, hidden 4608, {args.experts} BF16 experts, "
                    f"top-8; decoder only, batch 1)\n",
-                   f"Ours: `inkling2_flex`, {chunking}. Built-in: transformers' `inkling2`, eager (its only "
-                   "backend), same weights.\n",
+                   f"Ours: `inkling2_flex` and `inkling2_triton`, {chunking}. Built-in: transformers' `inkling2`, "
+                   "eager (its only backend), same weights.\n",
                    markdown_table(["model", "tokens", "ms", "tokens/s", "peak GiB", "note"],
                                   [[r["model"], r["tokens"], fmt(r["ms"], ".1f"), fmt(r.get("tokens_per_s"), ".0f"),
                                     fmt(r.get("peak_gib"), ".1f"), r.get("note", "")] for r in model_rows])]

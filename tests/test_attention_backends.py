@@ -22,13 +22,15 @@ from transformers_inkling2.attention_flex import (
     inkling2_decode_attention,
     inkling2_flex_attention,
     inkling2_flex_decode_attention,
+    inkling2_triton_attention,
 )
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 FP32_TOLERANCE = 1e-4
-BACKENDS = {
+BACKENDS = {  # on CPU, inkling2_triton is inkling2_flex (its kernel is checked under the interpreter below)
     "inkling2_flex": inkling2_flex_attention,
+    "inkling2_triton": inkling2_triton_attention,
     "inkling2_decode": inkling2_decode_attention,
     "inkling2_flex_decode": inkling2_flex_decode_attention,
 }
@@ -155,13 +157,14 @@ def test_decode_with_fewer_keys_than_the_extent(backend_name):
         assert max_difference(BACKENDS[backend_name], inputs, window, 0.25) <= FP32_TOLERANCE
 
 
-_DECODE_KERNEL_SCRIPT = r"""
+_ATTENTION_KERNELS_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from test_attention_backends import random_inputs
 from transformers_inkling2.attention import eager_attention
 from transformers_inkling2.attention_decode_kernel import decode_attention
+from transformers_inkling2.attention_prefill_kernel import prefill_attention
 
 cases = {  # name: (inputs, window); keys split over several programs in all but the smallest
     "long keys, padding": (dict(seed=40, queries=8, keys=400, first_query=500, padding=(0, 390)), 16),
@@ -188,15 +191,31 @@ inputs = random_inputs(seed=45, queries=2, keys=70, first_query=80, padding=(0, 
 compiled = torch.compile(lambda **kw: decode_attention(**kw, sliding_window=16, scaling=0.25), fullgraph=True)
 eager = decode_attention(**inputs, sliding_window=16, scaling=0.25)
 results["compiled"] = (compiled(**inputs) - eager).abs().max().item()
+
+prefill_cases = {  # (inputs, window): 128-query blocks, 64-key blocks; extent 24 leaves far tiles without bias
+    "prefill, sliding, padding": (dict(seed=50, queries=300, extent=24, padding=(0, 40)), 16),
+    "prefill, full, padding": (dict(seed=51, queries=300, extent=24, padding=(0, 40)), None),
+    "prefill chunk after cached keys, sliding": (dict(seed=52, queries=150, keys=230, first_query=500), 64),
+    "prefill chunk after cached keys, full": (dict(seed=53, queries=150, keys=230, first_query=500), None),
+    "prefill, a row without keys, extent beyond the prompt": (
+        dict(seed=54, queries=70, extent=100, padding=(0, 70)), None),
+    "prefill, window beyond the keys, one kv head per query head": (
+        dict(seed=55, queries=130, keys=140, heads=4, kv_heads=4), 200),
+}
+for name, (options, window) in prefill_cases.items():
+    inputs = random_inputs(**options)
+    expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
+    results[name] = (prefill_attention(**inputs, sliding_window=window, scaling=0.25) - expected).abs().max().item()
 print(json.dumps(results))
 """
 
 
 @needs_triton
-def test_decode_kernel_under_the_triton_interpreter_equals_eager():
-    """The fused decode kernel (what CUDA tensors run), on CPU under Triton's interpreter (fp32 MMAs there)."""
-    results = run_under_triton_interpreter(_DECODE_KERNEL_SCRIPT, str(Path(__file__).parent))
-    assert len(results) == 11 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
+def test_attention_kernels_under_the_triton_interpreter_equal_eager():
+    """The fused decode and prefill kernels (what CUDA tensors run), on CPU under Triton's interpreter (fp32 MMAs
+    there), against the eager reference."""
+    results = run_under_triton_interpreter(_ATTENTION_KERNELS_SCRIPT, str(Path(__file__).parent))
+    assert len(results) == 17 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
     assert results["compiled"] == 0
 
 
@@ -380,10 +399,12 @@ def relative_error(actual, expected):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["inkling2_flex", "inkling2_triton"])
 @pytest.mark.parametrize("sliding_window", [1024, None], ids=["sliding", "full"])
 @pytest.mark.parametrize("tokens, padding", [(4096, (0, 0)), (1000, (0, 300))], ids=["4k", "1000-padded"])
-def test_gpu_compiled_flex_bf16_full_size(sliding_window, tokens, padding):
-    """48 q / 8 kv heads, head_dim 128, extent = window = 1024; bf16 flex vs eager fp32."""
+def test_gpu_prefill_bf16_full_size(sliding_window, tokens, padding, backend_name):
+    """48 q / 8 kv heads, head_dim 128, extent = window = 1024; bf16 compiled flex or our prefill kernel vs eager
+    fp32."""
     options = dict(batch=len(padding), heads=48, kv_heads=8, queries=tokens, head_dim=128, extent=1024)
     options.update(padding=padding, query_scale=1.5, device="cuda")
     reference = random_inputs(seed=5, **options)
@@ -395,7 +416,7 @@ def test_gpu_compiled_flex_bf16_full_size(sliding_window, tokens, padding):
     with torch.no_grad():
         expected = eager_attention(**reference, sliding_window=sliding_window, scaling=scaling)
         eager16 = eager_attention(**low, sliding_window=sliding_window, scaling=scaling)
-        fast16 = inkling2_flex_attention(**low, sliding_window=sliding_window, scaling=scaling)
+        fast16 = BACKENDS[backend_name](**low, sliding_window=sliding_window, scaling=scaling)
     assert fast16.dtype == torch.bfloat16 and torch.isfinite(fast16).all()
     assert relative_error(fast16, expected) <= 1e-2
     assert relative_error(fast16, expected) <= 1.5 * relative_error(eager16, expected) + 1e-3

@@ -113,9 +113,15 @@ def register_attention_backend(name: str, backend: AttentionBackend, keys_in_any
 
 
 def _register_fast_backends() -> None:
-    from .attention_flex import inkling2_decode_attention, inkling2_flex_attention, inkling2_flex_decode_attention
+    from .attention_flex import (
+        inkling2_decode_attention,
+        inkling2_flex_attention,
+        inkling2_flex_decode_attention,
+        inkling2_triton_attention,
+    )
 
     register_attention_backend("inkling2_flex", inkling2_flex_attention)
+    register_attention_backend("inkling2_triton", inkling2_triton_attention)
     register_attention_backend("inkling2_decode", inkling2_decode_attention)
     register_attention_backend("inkling2_flex_decode", inkling2_flex_decode_attention, keys_in_any_order=False)
 

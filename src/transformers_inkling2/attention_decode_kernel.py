@@ -36,7 +36,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _folded_rows(pair, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr):
     """The (batch row, kv head) of program `pair` and its tile rows: row r is query r % QUERIES of query head
     kv_head * GROUPS + r // QUERIES; rows past GROUPS * QUERIES are padding (clamped to a valid head and query)."""
-    b, kv_head = pair // KV_HEADS, pair % KV_HEADS
+    b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS  # 64-bit offsets: a batch of long caches passes 2^31
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUPS * QUERIES
     query = tl.where(row_ok, rows % QUERIES, 0)

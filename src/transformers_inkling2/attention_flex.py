@@ -19,6 +19,9 @@ its [queries, keys] score matrix:
   the at most `extent` keys each query can reach (no [Q, K] gather), and the sink enters the softmax denominator.
   It does no host synchronization, so a decode step can be captured in a CUDA graph, and it also takes keys held
   in a ring (the static cache's sliding-window layers).
+- `inkling2_triton_attention` (registered as `"inkling2_triton"`): prefill through our own fused kernel
+  (`attention_prefill_kernel`: the bias read in-tile, one pass for band and far part, the sink in the epilogue);
+  decoding, CPU tensors and gradients as `inkling2_flex`.
 - `inkling2_flex_decode_attention` (registered as `"inkling2_flex_decode"`): prefill as `inkling2_flex`; 1-8
   queries through one FlexAttention call on the folded heads (head ratio 1), so that compiled flex can use its
   split-KV decoding kernel. Checked against eager on CPU; not yet run on a GPU.
@@ -227,6 +230,11 @@ def _on_cuda(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and not torch.compiler.is_compiling()
 
 
+def differentiable(*tensors: torch.Tensor) -> bool:
+    """Whether gradients flow through these inputs (our Triton kernels have no backward)."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
 def merge_with_sink(
     outputs: list[torch.Tensor], lses: list[torch.Tensor], sinks: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -317,6 +325,19 @@ def inkling2_flex_attention(
     return merge(outputs, lses, sinks, value.dtype)
 
 
+def inkling2_triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **inputs) -> torch.Tensor:
+    """Same contract as `eager_attention`. Prefill chunks on CUDA (without gradients) run the fused kernel of
+    `attention_prefill_kernel`, which reads the relative bias in-tile; everything else runs `inkling2_flex_attention`
+    (1-8 queries: the decode path)."""
+    if query.shape[2] > DECODE_MAX_QUERIES and query.is_cuda and not differentiable(query, key, value):
+        from . import attention_prefill_kernel
+
+        if attention_prefill_kernel.supports(query, key):
+            _check_contiguous_positions(inputs["query_positions"], inputs["key_positions"])
+            return attention_prefill_kernel.prefill_attention(query, key, value, **inputs)
+    return inkling2_flex_attention(query, key, value, **inputs)
+
+
 # --- decode / verification: 1-8 queries ---------------------------------------------------------------------------
 
 
@@ -336,7 +357,7 @@ def inkling2_decode_attention(
     gradients, one fused Triton kernel (`attention_decode_kernel`); otherwise, and as its reference, this PyTorch
     path, which materializes the [B, H, Q, K] scores in fp32 (small for Q <= 8); everything else is O(Q * extent) or
     O(K)."""
-    if query.is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+    if query.is_cuda and not differentiable(query, key, value):
         from . import attention_decode_kernel
 
         if attention_decode_kernel.supports(query, key):

@@ -50,8 +50,9 @@ def _prefill_kernel(
     q = tl.load(q_ptr + b * stride_qb + head * stride_qh + rows[:, None] * stride_qq + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
     first_query, first_key = tl.load(qpos_ptr), tl.load(kpos_ptr)
-    # key index of the key at query i's own position: i + offset (keys before it are visible)
-    offset = first_query - first_key
+    # key index of the key at query i's own position: i + offset (keys before it are visible); positions stay far
+    # below 2^31, so distances are 32-bit (half the registers of the [BM, BN] distance tile)
+    offset = (first_query - first_key).to(tl.int32)
     bias_rows = rl_ptr + b * stride_rb + head * stride_rh + rows * stride_rq
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh

@@ -17,17 +17,15 @@ Imported only when a CUDA tensor reaches the decode path (triton is not a CPU de
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .attention_kernel_tiles import kernel_inputs, online_softmax_step, tile_scores, visible_keys
+
 BLOCK_KEYS = 64
 MAX_ROWS = 64  # folded rows of one tile: its fp32 output accumulator stays in registers
 MIN_PROGRAMS = 264  # two per SM of an H100/H200: below this, keys are split further
-# under Triton's interpreter (read by triton at import, like here) the MMAs run in fp32: its bf16 dot is unreliable
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # kernel signatures and pointer arithmetic read better packed
@@ -73,31 +71,15 @@ def _decode_partial_kernel(
         cols = k0 + tl.arange(0, BN)
         col_ok = cols < stop
         k = tl.load(k_base + cols[:, None] * stride_kk + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if DOT_FP32:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
+        scores = tile_scores(q, k, DOT_FP32)
         key_position = tl.load(kpos_ptr + cols, mask=col_ok, other=0)
         distance = query_position[:, None] - key_position[None, :]
-        visible = (distance >= 0) & col_ok[None, :] & row_ok[:, None]
-        if HAS_WINDOW:
-            visible = visible & (distance < window)
-        if HAS_PADDING:
-            real = tl.load(pad_ptr + b * stride_pb + cols, mask=col_ok, other=0) != 0
-            visible = visible & real[None, :]
+        visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
+                               HAS_PADDING)
         bias = tl.load(bias_rows[:, None] + distance, mask=visible & (distance < extent), other=0.0)
         scores = tl.where(visible, scores * scaling + bias.to(tl.float32), float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
     part = pair * num_splits + split
     tl.store(m_ptr + part * ROWS + rows, m)
     tl.store(l_ptr + part * ROWS + rows, l)
@@ -168,15 +150,12 @@ def decode_attention(
     keys_per_split = triton.cdiv(blocks, splits) * BLOCK_KEYS
     splits = triton.cdiv(key_length, keys_per_split)
 
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    relative_logits = relative_logits if relative_logits.stride(-1) == 1 else relative_logits.contiguous()
-    padding = key_padding.to(torch.int8).contiguous() if key_padding is not None else query
+    query, key, value, relative_logits, padding, fp32 = kernel_inputs(query, key, value, relative_logits, key_padding)
     device = query.device
     m = torch.empty(pairs * splits * rows, dtype=torch.float32, device=device)
     l = torch.empty_like(m)
     acc = torch.empty(pairs * splits * rows, head_dim, dtype=torch.float32, device=device)
     output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=device)
-    fp32 = query.dtype == torch.float32 or INTERPRETING
     constants = dict(KV_HEADS=kv_heads, GROUPS=groups, QUERIES=queries, ROWS=rows, DIM=head_dim)
     _decode_partial_kernel[(pairs, splits)](
         query, key, value, relative_logits, query_positions.contiguous(), key_positions.contiguous(), padding,

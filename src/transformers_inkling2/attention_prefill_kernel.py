@@ -16,16 +16,14 @@ are read on the device (no host sync). Imported only for CUDA tensors (or under 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .attention_kernel_tiles import kernel_inputs, online_softmax_step, tile_scores, visible_keys
+
 BLOCK_M = 128
 BLOCK_N = 64
-# under Triton's interpreter (read by triton at import, like here) the MMAs run in fp32: its bf16 dot is unreliable
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # kernel signatures and pointer arithmetic read better packed
@@ -72,34 +70,17 @@ def _prefill_kernel(
         cols = n0 + tl.arange(0, BN)
         col_ok = cols < key_length
         k = tl.load(k_base + cols[:, None] * stride_kk + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if DOT_FP32:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
+        scores = tile_scores(q, k, DOT_FP32) * scaling
         distance = (rows + offset)[:, None] - cols[None, :]
-        visible = (distance >= 0) & col_ok[None, :] & row_ok[:, None]
-        if HAS_WINDOW:
-            visible = visible & (distance < window)
-        if HAS_PADDING:
-            real = tl.load(pad_ptr + b * stride_pb + cols, mask=col_ok, other=0) != 0
-            visible = visible & real[None, :]
-        scores = scores * scaling
+        visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
+                               HAS_PADDING)
         # the tile's smallest distance: its first row against its last key; beyond the extent there is no bias
         if block_first_row + offset - (n0 + BN - 1) < extent:
             bias = tl.load(bias_rows[:, None] + distance, mask=visible & (distance < extent), other=0.0)
             scores = scores + bias.to(tl.float32)
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at zero
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
 
     sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + rows * stride_sq).to(tl.float32)
     top = tl.maximum(m, sink)
@@ -135,11 +116,8 @@ def prefill_attention(
     so that `torch.compile` calls it as it is."""
     batch, heads, queries, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    relative_logits = relative_logits if relative_logits.stride(-1) == 1 else relative_logits.contiguous()
-    padding = key_padding.to(torch.int8).contiguous() if key_padding is not None else query
+    query, key, value, relative_logits, padding, fp32 = kernel_inputs(query, key, value, relative_logits, key_padding)
     output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=query.device)
-    fp32 = query.dtype == torch.float32 or INTERPRETING
     _prefill_kernel[(triton.cdiv(queries, BLOCK_M), batch * heads)](
         query, key, value, relative_logits, sinks, query_positions.contiguous(), key_positions.contiguous(),
         padding, output,

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from transformers_inkling2.cli import main
 
 
@@ -30,12 +32,18 @@ def test_dspark_and_static_cache_flags_give_the_same_greedy_reply_through_the_im
 
     PIL.Image.fromarray(np.full((50, 90, 3), 99, dtype=np.uint8)).save(tmp_path / "grey.png")
     replies = []
-    for flags in ([], ["--dspark"], ["--static-cache"], ["--dspark", "--static-cache"]):
+    for flags in ([], ["--dspark"], ["--static-cache"], ["--dspark", "--static-cache", "--compile"]):
         main(["--max-new-tokens", "10", "--image", str(tmp_path / "grey.png"), *flags])
         out = capsys.readouterr().out
         replies.append(out.split("[reply] ")[1].split("[speed]")[0])
         assert "10 new tokens" in out
     assert replies[0] == replies[1] == replies[2] == replies[3]
+
+
+def test_compile_needs_the_static_cache():
+    for command in (["generate", "--compile"], ["serve", "--compile"]):
+        with pytest.raises(SystemExit, match="add --static-cache"):
+            main(command)
 
 
 def test_main_job_on_a_text_only_checkpoint_uses_the_text_generation_pipeline(tmp_path, capsys):

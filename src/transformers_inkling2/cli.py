@@ -4,7 +4,7 @@
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
-    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N]   OpenAI server
+    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N [--compile]]   a server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
 """
 
@@ -18,6 +18,7 @@ import torch
 
 SUBCOMMANDS = ("generate", "serve", "quantize", "plan", "train-dspark")
 DEFAULT_PROMPT = "Write one sentence about the sea."
+COMPILE_HELP = "with --static-cache: the captured decode steps are compiled by torch.compile (the fastest path)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--static-cache", action="store_true", help="decode over Inkling2StaticCache (CUDA graphs on a GPU)"
     )
+    generate.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")
     serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
     serve.add_argument("--host", default="127.0.0.1")
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode over one Inkling2StaticCache of this many tokens, reused by every request up to that length "
         "(CUDA graphs on a GPU, captured once)",
     )
+    serve.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
     quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
     quantize.add_argument("target", help="output folder")
@@ -140,11 +143,24 @@ class CountingStreamer:
         self.printer.end()
 
 
+def compile_config(args: argparse.Namespace):
+    """transformers' `CompileConfig` for `--compile` (None without it): the static cache's captured steps then run
+    the `torch.compile`d model (`Inkling2DecodeGraphs`); without a static cache there is nothing it applies to."""
+    if not args.compile:
+        return None
+    if not args.static_cache:
+        raise SystemExit("--compile applies to the static cache's decode steps: add --static-cache.")
+    from transformers import CompileConfig
+
+    return CompileConfig()
+
+
 def run_generate(args: argparse.Namespace) -> None:
     """One chat turn through transformers' pipeline ("image-text-to-text", or "text-generation" for a text-only
     checkpoint), streamed, with its speed."""
     from transformers import pipeline
 
+    compile_steps = compile_config(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, processor, tokenizer = load(args.model, device, dtype)
@@ -165,6 +181,7 @@ def run_generate(args: argparse.Namespace) -> None:
         streamer=streamer,
         dspark=args.dspark,
         cache_implementation="static" if args.static_cache else None,
+        compile_config=compile_steps,
     )
     if processor is not None:  # the two pipelines name their inputs and generation arguments differently
         generator = pipeline("image-text-to-text", model=model, processor=processor)
@@ -195,6 +212,7 @@ def run_quantize(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> None:
     from .serving import serve
 
+    compile_steps = compile_config(args)
     device = resolve_device(args.device)
     model, processor, tokenizer = load(args.model, device, resolve_dtype(args.dtype, device))
     if processor is None:
@@ -204,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.static_cache:  # one size for every request, so that its buffers and graphs are reused
         model.generation_config.cache_implementation = "static"
         model.generation_config.max_cache_len = args.static_cache
+        model.generation_config.compile_config = compile_steps
     effort = args.effort
     if effort is not None and effort.replace(".", "", 1).isdigit():
         effort = float(effort)

@@ -26,17 +26,8 @@ setup(
     ],
     extras_require={
         # transformers' built-in `inkling2` is the tests' oracle: 5.23 is the version whose numerics and parameter
-        # names the tests compare against (5.24 renamed its attention parameters); triton runs our kernels under its
-        # interpreter in the CPU tests (the GPU build of torch brings its own)
-        "test": [
-            "transformers==5.23.0",
-            "pytest>=8",
-            "tiktoken>=0.9",
-            "openai>=1.0",
-            "jinja2>=3.1",
-            "peft>=0.21",
-            "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
-        ],
+        # names the tests compare against (5.24 renamed its attention parameters)
+        "test": ["transformers==5.23.0", "pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1", "peft>=0.21"],
     },
     entry_points={"console_scripts": ["inkling2=transformers_inkling2.cli:main"]},
 )

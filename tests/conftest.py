@@ -39,13 +39,13 @@ ORACLE_TEXT_CONFIG = dict(
 
 # Runs Triton kernels on CPU tensors under Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when
 # triton is imported). The prelude works around numpy >= 2.4 refusing int() of a 1-element 1-d array, which
-# triton 3.6's interpreter does for `range(..)` bounds held in tensors.
+# triton 3.6's interpreter does for `range(..)` bounds held in tensors. CI installs triton 3.6.0 (`.ci/run`).
 _INTERPRETER_PRELUDE = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 from triton.runtime import interpreter as _interp
 
-_original_patch = _interp._patch_lang_tensor
+_original_patch = getattr(_interp, "_patch_lang_tensor", None)  # (other triton versions need no patch)
 
 
 def _patch_lang_tensor(tensor, scope):
@@ -53,7 +53,8 @@ def _patch_lang_tensor(tensor, scope):
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
 
-_interp._patch_lang_tensor = _patch_lang_tensor
+if _original_patch is not None:
+    _interp._patch_lang_tensor = _patch_lang_tensor
 """
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

@@ -1,8 +1,9 @@
 """Decode speed of Inkling2 attention on one GPU: our decode path next to transformers' built-in `inkling2`.
 
 1. Attention only, one layer, one decode call (bf16, 48 q / 8 kv heads, head_dim 128, extent 1024): our
-   `inkling2_decode` (matmuls; what `inkling2_flex` runs for <= 8 queries) and `inkling2_flex_decode` (compiled
-   FlexAttention with folded heads, its split-KV kernel) for Q = 1 and 8 queries over K = 8k, 32k, 128k cached
+   `inkling2_decode` (the fused decode kernel on CUDA; what `inkling2_flex` runs for <= 8 queries) and
+   `inkling2_flex_decode` (compiled FlexAttention with folded heads, its split-KV kernel) for Q = 1 and 8 queries
+   over K = 8k, 32k, 128k cached
    keys (a full layer) and over the keys a sliding layer holds, at batch 1, 8, 64; launched op by op and replayed
    as a CUDA graph (neither path synchronizes with the host); next to it our eager reference and SDPA without bias
    or sink. GB/s = bytes of the keys and values read once / time.

@@ -81,6 +81,18 @@ def random_inputs(
     )
 
 
+def held_in_a_ring(inputs: dict) -> dict:
+    """The same inputs with the keys, values and padding held as the static cache's sliding layers hold them: at
+    slot = position mod K (key_positions then lists each slot's position)."""
+    slots = inputs["key_positions"].remainder(inputs["key"].shape[2])
+    ring = dict(inputs)
+    for name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
+        if inputs[name] is not None:
+            ring[name] = torch.empty_like(inputs[name]).index_copy_(dim, slots, inputs[name])
+    ring["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
+    return ring
+
+
 def max_difference(backend, inputs, sliding_window, scaling):
     expected = eager_attention(**inputs, sliding_window=sliding_window, scaling=scaling)
     actual = backend(**inputs, sliding_window=sliding_window, scaling=scaling)
@@ -161,7 +173,7 @@ _ATTENTION_KERNELS_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from test_attention_backends import random_inputs
+from test_attention_backends import held_in_a_ring, random_inputs
 from transformers_inkling2.attention import eager_attention
 from transformers_inkling2.attention_decode_kernel import decode_attention
 from transformers_inkling2.attention_prefill_kernel import prefill_attention
@@ -178,13 +190,8 @@ for name, (options, window) in cases.items():
     inputs = random_inputs(**options)
     expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
     results[name] = (decode_attention(**inputs, sliding_window=window, scaling=0.25) - expected).abs().max().item()
-    # the same keys held in a ring (slot = position mod K), as the static cache's sliding layers hold them
-    slots = inputs["key_positions"].remainder(inputs["key"].shape[2])
-    for tensor_name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
-        if inputs[tensor_name] is not None:
-            inputs[tensor_name] = torch.empty_like(inputs[tensor_name]).index_copy_(dim, slots, inputs[tensor_name])
-    inputs["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
-    ring = decode_attention(**inputs, sliding_window=window, scaling=0.25)
+    # the same keys held in a ring, as the static cache's sliding layers hold them
+    ring = decode_attention(**held_in_a_ring(inputs), sliding_window=window, scaling=0.25)
     results[name + ", ring"] = (ring - expected).abs().max().item()
 # a custom op: torch.compile (fullgraph, as the compiled decode steps run) calls it as it is
 inputs = random_inputs(seed=45, queries=2, keys=70, first_query=80, padding=(0, 7))
@@ -240,11 +247,7 @@ def test_decode_reads_keys_held_in_a_ring(window):
     the same keys in order (bias, window, padding and the sink included)."""
     inputs = random_inputs(seed=24, queries=5, keys=30, first_query=40, padding=(0, 3))
     expected = inkling2_decode_attention(**inputs, sliding_window=window, scaling=0.25)
-    slots = inputs["key_positions"].remainder(30)  # position -> slot
-    ring = dict(inputs)
-    for name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
-        ring[name] = torch.empty_like(inputs[name]).index_copy_(dim, slots, inputs[name])
-    ring["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
+    ring = held_in_a_ring(inputs)
     assert not torch.equal(ring["key_positions"], inputs["key_positions"])
     torch.testing.assert_close(inkling2_decode_attention(**ring, sliding_window=window, scaling=0.25), expected)
     assert max_difference(inkling2_decode_attention, ring, window, 0.25) <= FP32_TOLERANCE
@@ -464,12 +467,7 @@ def test_gpu_decode_kernel_equals_the_pytorch_path(queries):
             expected = pytorch_path(reference, window)
             own_error = relative_error(pytorch_path(inputs, window), expected)
             fused = decode_attention(**inputs, sliding_window=window, scaling=0.25)
-            slots = inputs["key_positions"].remainder(options["keys"])
-            ring = dict(inputs)
-            for name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
-                ring[name] = torch.empty_like(inputs[name]).index_copy_(dim, slots, inputs[name])
-            ring["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
-            fused_ring = decode_attention(**ring, sliding_window=window, scaling=0.25)
+            fused_ring = decode_attention(**held_in_a_ring(inputs), sliding_window=window, scaling=0.25)
             bound = 1e-5 if dtype == torch.float32 else 1.5 * own_error + 1e-3
             assert relative_error(fused, expected) <= bound and relative_error(fused_ring, expected) <= bound
             if options["padding"][-1] == options["keys"]:

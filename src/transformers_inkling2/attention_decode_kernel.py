@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_kernel_tiles import kernel_inputs, online_softmax_step, tile_scores, visible_keys
+from .attention_kernel_tiles import attention_output_like, kernel_inputs, online_softmax_step, tile_scores, visible_keys
 
 BLOCK_KEYS = 64
 MAX_ROWS = 64  # folded rows of one tile: its fp32 output accumulator stays in registers
@@ -174,10 +174,7 @@ def decode_attention(
     return output
 
 
-@decode_attention.register_fake
-def _(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window, scaling):
-    batch, heads, queries, head_dim = query.shape
-    return query.new_empty(batch, queries, heads, head_dim, dtype=value.dtype)
+decode_attention.register_fake(attention_output_like)
 
 
 __all__ = ["decode_attention", "supports"]

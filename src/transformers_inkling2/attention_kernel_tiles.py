@@ -61,3 +61,10 @@ def online_softmax_step(scores, v, m, l, acc, DOT_FP32: tl.constexpr):
     else:
         values = tl.dot(p.to(v.dtype), v)
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + values
+
+
+def attention_output_like(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding,
+                          sliding_window, scaling):
+    """What the fused attention ops return, for tracing (their `register_fake`): [B, Q, H, D] in the values' dtype."""
+    batch, heads, queries, head_dim = query.shape
+    return query.new_empty(batch, queries, heads, head_dim, dtype=value.dtype)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_kernel_tiles import kernel_inputs, online_softmax_step, tile_scores, visible_keys
+from .attention_kernel_tiles import attention_output_like, kernel_inputs, online_softmax_step, tile_scores, visible_keys
 
 BLOCK_M = 128
 BLOCK_N = 64
@@ -134,10 +134,7 @@ def prefill_attention(
     return output
 
 
-@prefill_attention.register_fake
-def _(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window, scaling):
-    batch, heads, queries, head_dim = query.shape
-    return query.new_empty(batch, queries, heads, head_dim, dtype=value.dtype)
+prefill_attention.register_fake(attention_output_like)
 
 
 __all__ = ["prefill_attention", "supports"]

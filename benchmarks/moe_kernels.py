@@ -129,6 +129,12 @@ def grouped_mm_moe(x, ids, rw, w13t, w2t, out):
     out.copy_(per_slot.view(t, K, H).sum(1))
 
 
+def write_output(out: str, name: str, text: str) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(text + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -239,10 +245,8 @@ def main():
             lines.append(f"| {p['fmt']} | {p['tokens']} | {p['ms']:.2f} | {p['tflops']:.0f} | {gm} |")
     table = "\n".join(lines)
     print("\n" + table)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe_kernels_bench.md").write_text(table + "\n")
-    (out_dir / "moe_kernels_bench.json").write_text(json.dumps(
+    write_output(args.out, "moe_kernels_bench.md", table)
+    write_output(args.out, "moe_kernels_bench.json", json.dumps(
         dict(ceiling_tbps=ceiling, decode=rows, sweep=sweep, prefill=prefill), indent=1))
 
 
@@ -255,8 +259,8 @@ def wide_sweep(args):
     sets1 = inputs(1, gen, ROTATIONS)
     ms = graph_time_ms([(lambda s=s: km.route(s[1], E, 16)) for s in sets1])
     lines.append(f"| - | 1 | route only | {ms * 1e3:.1f} | | |")
-    # NVFP4 packs 64 bytes per weight row in a 128-wide K step: the 256-wide steps and deeper pipelines keep as
-    # many bytes in flight per program as MXFP8's 128-wide steps do
+    # NVFP4 packs 64 bytes per weight row in a 128-wide K step: 256-wide steps and deeper pipelines were tried to keep
+    # as many bytes in flight per program as MXFP8's 128-wide steps (measured: only 256-wide steps at T=8 gained)
     shapes = {"nvfp4": [(64, 64, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4),
                         (32, 64, 256, 4, 3), (64, 64, 256, 8, 4)],
               "mxfp8": [(64, 64, 128, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4), (64, 64, 256, 8, 3)]}
@@ -280,9 +284,7 @@ def wide_sweep(args):
                     print(lines[-1], flush=True)
         w = kw = None  # free this format's weights before the next
         torch.cuda.empty_cache()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe_kernels_sweep.md").write_text("\n".join(lines) + "\n")
+    write_output(args.out, "moe_kernels_sweep.md", "\n".join(lines))
     print("\n".join(lines))
 
 
@@ -351,9 +353,7 @@ def prefill_sweep(args):
                 print(lines[-1], flush=True)
             w = kw = None
             torch.cuda.empty_cache()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe_kernels_prefill_sweep.md").write_text("\n".join(lines) + "\n")
+    write_output(args.out, "moe_kernels_prefill_sweep.md", "\n".join(lines))
 
 
 def sweep_configs(km, fmt, tokens):

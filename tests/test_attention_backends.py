@@ -199,7 +199,8 @@ compiled = torch.compile(lambda **kw: decode_attention(**kw, sliding_window=16, 
 eager = decode_attention(**inputs, sliding_window=16, scaling=0.25)
 results["compiled"] = (compiled(**inputs) - eager).abs().max().item()
 
-prefill_cases = {  # (inputs, window): 128-query blocks, 64-key blocks; extent 24 leaves far tiles without bias
+prefill_cases = {  # (inputs, window): 128-query and 128-key blocks; extent 24 leaves far tiles without bias, extent
+    # 448 leaves inner tiles (no mask, the whole tile in the extent) between the edge and the diagonal
     "prefill, sliding, padding": (dict(seed=50, queries=300, extent=24, padding=(0, 40)), 16),
     "prefill, full, padding": (dict(seed=51, queries=300, extent=24, padding=(0, 40)), None),
     "prefill chunk after cached keys, sliding": (dict(seed=52, queries=150, keys=230, first_query=500), 64),
@@ -208,6 +209,10 @@ prefill_cases = {  # (inputs, window): 128-query blocks, 64-key blocks; extent 2
         dict(seed=54, queries=70, extent=100, padding=(0, 70)), None),
     "prefill, window beyond the keys, one kv head per query head": (
         dict(seed=55, queries=130, keys=140, heads=4, kv_heads=4), 200),
+    "prefill, sliding, window = extent = 448": (dict(seed=56, queries=900, extent=448), 448),
+    "prefill, full, extent 448, padding": (dict(seed=57, queries=900, extent=448, padding=(0, 90)), None),
+    "prefill chunk after cached keys, full, extent 448": (
+        dict(seed=58, queries=300, keys=900, first_query=1200, extent=448), None),
 }
 for name, (options, window) in prefill_cases.items():
     inputs = random_inputs(**options)
@@ -222,7 +227,7 @@ def test_attention_kernels_under_the_triton_interpreter_equal_eager():
     """The fused decode and prefill kernels (what CUDA tensors run), on CPU under Triton's interpreter (fp32 MMAs
     there), against the eager reference."""
     results = run_under_triton_interpreter(_ATTENTION_KERNELS_SCRIPT, str(Path(__file__).parent))
-    assert len(results) == 17 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
+    assert len(results) == 20 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
     assert results["compiled"] == 0
 
 

@@ -40,6 +40,13 @@ def keep_last(tensor: torch.Tensor | None, new: torch.Tensor, dim: int, limit: i
     return torch.cat([tensor, new], dim=dim)
 
 
+def join_in_time(history: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """`cat([history, inputs], -1)` of [batch, C, T] convolution inputs, laid out time-major ([batch, T, C] in
+    memory): the inputs arrive as a transposed view of [batch, T, C] activations, which this layout copies
+    contiguously (a channel-major copy would stride through them)."""
+    return torch.cat([history.transpose(1, 2), inputs.transpose(1, 2)], dim=1).transpose(1, 2)
+
+
 def shift_rows_right(tensor: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:
     """Moves row `b` of `tensor` (batch first) `shifts[b]` places later along `dim`: its last `shifts[b]` entries
     fall off and its first ones become zeros. Speculative decoding uses it to drop the rejected tokens of a row that
@@ -91,7 +98,7 @@ class Inkling2LayerCache(CacheLayerMixin):
         held = self.conv_inputs[conv_idx]
         if held is None:
             held = new_inputs.new_zeros(*new_inputs.shape[:-1], kernel_size - 1)
-        context = torch.cat([held[..., held.shape[-1] - (kernel_size - 1) :], new_inputs], dim=-1)
+        context = join_in_time(held[..., held.shape[-1] - (kernel_size - 1) :], new_inputs)
         self.conv_inputs[conv_idx] = keep_last(held, new_inputs, -1, self.max_conv_inputs)
         return context
 

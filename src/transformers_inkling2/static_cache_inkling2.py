@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, NUM_CONVOLUTIONS, RollbackWithinMargin
+from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, NUM_CONVOLUTIONS, RollbackWithinMargin, join_in_time
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2TextConfig
 
 # The most tokens one step writes into a sliding ring before attending: DSpark verifies 7 drafts + 1 anchor.
@@ -163,7 +163,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         previous = query_positions[0] - (kernel_size - 1) + torch.arange(kernel_size - 1, device=ring.device)
         slots = previous.remainder(self.conv_capacity)
         held = (ring_positions[slots] == previous).to(ring.dtype)
-        context = torch.cat([ring.index_select(-1, slots) * held, new_inputs], dim=-1)
+        context = join_in_time(ring.index_select(-1, slots) * held, new_inputs)
         write_by_position(ring_positions, query_positions, [(ring, new_inputs, -1)])
         return context
 

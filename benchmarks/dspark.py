@@ -294,7 +294,8 @@ def report(summary: dict) -> str:
         f"{summary['held_out_tokens']:,} held-out tokens, compact vocabulary {summary['vocab']:,}.\n"
         f"Target: {summary['target_parameters'] / 1e6:.1f}M parameters, {summary['target_steps']} steps in "
         f"{summary['target_seconds']:.0f} s, held-out loss {summary['target_held_out_loss']:.3f}. Drafter: "
-        f"{summary['drafter_parameters'] / 1e6:.1f}M parameters, {summary['drafter_steps']} steps on "
+        f"{summary['drafter_parameters'] / 1e6:.1f}M parameters, {summary['drafter_steps']} steps (learning rate "
+        f"{summary['drafter_learning_rate']:g}) on "
         f"{summary['drafter_data']} in "
         f"{summary['drafter_seconds']:.0f} s, loss {summary['drafter_loss_first']:.3f} -> {summary['drafter_loss_last']:.3f}.\n"
         f"Held-out teacher-forced agreement of the drafter's argmax with the target's, by block position: "
@@ -313,6 +314,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-steps", type=int, default=1000)
     parser.add_argument("--drafter-steps", type=int, default=1500)
+    parser.add_argument("--drafter-learning-rate", type=float, default=3e-3)
     parser.add_argument("--self-distill", type=int, metavar="N", help="distill on N target-written windows of 256")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -371,10 +373,11 @@ def main() -> None:
         batches = window_batches(windows, 16, seed=2, device=DEVICE)
     else:
         batches = token_windows(train, 512, 16, seed=2, device=DEVICE)
-    drafter_losses = train_dspark(model, batches, args.drafter_steps, 1e-3, anchors_per_window=32)
+    drafter_losses = train_dspark(model, batches, args.drafter_steps, args.drafter_learning_rate, anchors_per_window=32)
     summary.update(
         drafter_parameters=sum(p.numel() for p in drafter.parameters()),
         drafter_steps=args.drafter_steps,
+        drafter_learning_rate=args.drafter_learning_rate,
         drafter_data=f"{args.self_distill} target-written windows" if args.self_distill else "corpus windows",
         drafter_seconds=time.perf_counter() - start,
         drafter_loss_first=drafter_losses[0],

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--window", type=int, default=512, help="tokens per training window")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--anchors", type=int, default=32, help="blocks per window")
-    train.add_argument("--learning-rate", type=float, default=1e-3)
+    train.add_argument("--learning-rate", type=float, default=3e-3)
     train.add_argument("--new-drafter", action="store_true", help="train a fresh drafter instead of the model's own")
     train.add_argument(
         "--self-distill",

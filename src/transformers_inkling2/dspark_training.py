@@ -127,7 +127,7 @@ def train_dspark(
     model,
     batches: Iterator[torch.LongTensor],
     steps: int,
-    learning_rate: float = 1e-3,
+    learning_rate: float = 3e-3,
     anchors_per_window: int = 32,
     seed: int = 0,
 ) -> list[float]:

@@ -106,11 +106,10 @@ def test_hidden_states_equal_builtin():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_short_convolution_equals_the_reference(dtype):
     """The sum that prefill compiles into one kernel on CUDA (`fused_convolution`) against the module's `F.conv1d`
-    path, after four held inputs (as from a cache), on a time-major context as the caches build it."""
+    path, after three held inputs (as from a cache), on the time-major context that the caches build for a prompt."""
     import math
 
-    from transformers_inkling2.cache_inkling2 import join_in_time
-    from transformers_inkling2.fused_convolution import compiled_short_convolution
+    from transformers_inkling2.fused_convolution import compiled_short_convolution, join_convolution_context
     from transformers_inkling2.modeling_inkling2_text import Inkling2ShortConvolution
 
     generator = torch.Generator().manual_seed(7)
@@ -121,10 +120,11 @@ def test_fused_short_convolution_equals_the_reference(dtype):
 
     class HeldInputs:  # the cache's part in a convolution
         def convolution_context(self, layer_idx, conv_idx, inputs, kernel_size, query_positions):
-            return join_in_time(history, inputs)
+            return join_convolution_context(history, inputs)
 
     expected = convolution(x, cache=HeldInputs()).float()
-    context = join_in_time(history, x.float().transpose(1, 2))
+    context = join_convolution_context(history, x.float().transpose(1, 2))
+    assert context.stride(1) == 1  # time-major: 20 tokens are a prompt
     weight = convolution.conv1d.weight.detach().squeeze(1)
     fused = compiled_short_convolution()(context, x, weight, math.sqrt(5))
     assert fused.dtype == dtype and fused.shape == expected.shape

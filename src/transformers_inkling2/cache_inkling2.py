@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2TextConfig
+from .fused_convolution import join_convolution_context
 
 # Speculative decoding verifies 7 drafts + 1 anchor per step: 8 tokens can be taken back.
 DEFAULT_ROLLBACK_MARGIN = 8
@@ -38,13 +39,6 @@ def keep_last(tensor: torch.Tensor | None, new: torch.Tensor, dim: int, limit: i
         held = limit - new.shape[dim]
         tensor = tensor.narrow(dim, tensor.shape[dim] - held, held)
     return torch.cat([tensor, new], dim=dim)
-
-
-def join_in_time(history: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """`cat([history, inputs], -1)` of [batch, C, T] convolution inputs, laid out time-major ([batch, T, C] in
-    memory): the inputs arrive as a transposed view of [batch, T, C] activations, which this layout copies
-    contiguously (a channel-major copy would stride through them)."""
-    return torch.cat([history.transpose(1, 2), inputs.transpose(1, 2)], dim=1).transpose(1, 2)
 
 
 def shift_rows_right(tensor: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:
@@ -98,7 +92,7 @@ class Inkling2LayerCache(CacheLayerMixin):
         held = self.conv_inputs[conv_idx]
         if held is None:
             held = new_inputs.new_zeros(*new_inputs.shape[:-1], kernel_size - 1)
-        context = join_in_time(held[..., held.shape[-1] - (kernel_size - 1) :], new_inputs)
+        context = join_convolution_context(held[..., held.shape[-1] - (kernel_size - 1) :], new_inputs)
         self.conv_inputs[conv_idx] = keep_last(held, new_inputs, -1, self.max_conv_inputs)
         return context
 

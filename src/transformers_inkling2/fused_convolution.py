@@ -3,14 +3,26 @@
 The reference (`Inkling2ShortConvolution`) runs `F.conv1d` on the [batch, C, T + k - 1] context, then adds the
 residual, scales and casts: over a long prompt, several passes through fp32 activations, one of them a transposing
 copy. Written as a sum of k shifted products, the same computation compiles (`torch.compile`) into one kernel that
-reads the context where it lies (time-major, `cache_inkling2.join_in_time`) and writes the output dtype. Decode
-steps (at most `static_cache_inkling2.DEFAULT_MAX_QUERIES` tokens) keep the reference path, so that what CUDA graphs
-capture stays as it was.
+reads the context where it lies (time-major for a prompt, see `join_convolution_context`) and writes the output
+dtype. Decode and verification steps (at most `STEP_MAX_TOKENS` tokens) keep the reference path and its layout, so
+that what CUDA graphs capture stays as it was.
 """
 
 import functools
 
 import torch
+
+STEP_MAX_TOKENS = 8  # a decode or DSpark verification step (7 drafts + 1); more tokens are a prompt
+
+
+def join_convolution_context(history: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """`cat([history, inputs], -1)` of [batch, C, T] convolution inputs (the caches' and the reference's context).
+    A prompt's is laid out time-major ([batch, T, C] in memory): its inputs arrive as a transposed view of [batch, T,
+    C] activations, which that layout copies contiguously, and the fused convolution reads it so. A step's stays
+    channel-major, the layout `F.conv1d` reads."""
+    if inputs.shape[-1] <= STEP_MAX_TOKENS:
+        return torch.cat([history, inputs], dim=-1)
+    return torch.cat([history.transpose(1, 2), inputs.transpose(1, 2)], dim=1).transpose(1, 2)
 
 
 def short_convolution_sum(context: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, divisor: float):
@@ -29,11 +41,17 @@ def compiled_short_convolution():
     return torch.compile(short_convolution_sum, dynamic=True, fullgraph=True)
 
 
-def runs_fused(x: torch.Tensor, weight: torch.Tensor, min_tokens: int) -> bool:
-    """Whether a convolution of x takes the compiled kernel: CUDA, more than `min_tokens` tokens, no gradients, not
-    already inside a compiled graph."""
+def runs_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a convolution of x [batch, T, C] takes the compiled kernel: a prompt (more than `STEP_MAX_TOKENS`
+    tokens) on CUDA, no gradients, not already inside a compiled graph."""
     differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return x.is_cuda and x.shape[1] > min_tokens and not differentiable and not torch.compiler.is_compiling()
+    return x.is_cuda and x.shape[1] > STEP_MAX_TOKENS and not differentiable and not torch.compiler.is_compiling()
 
 
-__all__ = ["compiled_short_convolution", "runs_fused", "short_convolution_sum"]
+__all__ = [
+    "STEP_MAX_TOKENS",
+    "compiled_short_convolution",
+    "join_convolution_context",
+    "runs_fused",
+    "short_convolution_sum",
+]

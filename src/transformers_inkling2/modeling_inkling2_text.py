@@ -19,12 +19,12 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .attention import get_attention_backend
-from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache, join_in_time
+from .cache_inkling2 import K_CONV, POST_ATTENTION_CONV, POST_MLP_CONV, V_CONV, Inkling2Cache
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
 from .decode_graphs import Inkling2DecodeGraphs
 from .dspark_checkpoints import find_mtp_file, load_mtp_drafter
 from .experts import Inkling2Experts, Inkling2QuantizedExperts, softcap
-from .fused_convolution import compiled_short_convolution, runs_fused
+from .fused_convolution import compiled_short_convolution, join_convolution_context, runs_fused
 from .generation_dspark import DSparkOptions, dspark_decoding_method
 from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
 from .norms import Inkling2RMSNorm, rms_normalize
@@ -91,7 +91,7 @@ def convolution_context(
 ) -> torch.Tensor:
     """[batch, C, T] inputs preceded by the `kernel_size - 1` inputs before them (zeros at the sequence start)."""
     if cache is None:
-        return join_in_time(inputs.new_zeros(*inputs.shape[:-1], kernel_size - 1), inputs)
+        return join_convolution_context(inputs.new_zeros(*inputs.shape[:-1], kernel_size - 1), inputs)
     return cache.convolution_context(layer_idx, conv_idx, inputs, kernel_size, query_positions)
 
 
@@ -113,7 +113,7 @@ class Inkling2ShortConvolution(nn.Module):
         inputs = zero_padding(x32, token_mask).transpose(1, 2)
         context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx, query_positions)
         weight = local_tensor(self.conv1d.weight).float()  # this rank's channels under tensor parallelism
-        if runs_fused(x, weight, DEFAULT_MAX_QUERIES):
+        if runs_fused(x, weight):
             return compiled_short_convolution()(context, x, weight.squeeze(1), math.sqrt(self.kernel_size + 1))
         convolved = F.conv1d(context, weight, groups=context.shape[1]).transpose(1, 2)
         return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, NUM_CONVOLUTIONS, RollbackWithinMargin, join_in_time
+from .cache_inkling2 import DEFAULT_ROLLBACK_MARGIN, NUM_CONVOLUTIONS, RollbackWithinMargin
 from .configuration_inkling2 import SLIDING_LAYER, Inkling2TextConfig
+from .fused_convolution import join_convolution_context
 
 # The most tokens one step writes into a sliding ring before attending: DSpark verifies 7 drafts + 1 anchor.
 DEFAULT_MAX_QUERIES = 8
@@ -163,7 +164,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         previous = query_positions[0] - (kernel_size - 1) + torch.arange(kernel_size - 1, device=ring.device)
         slots = previous.remainder(self.conv_capacity)
         held = (ring_positions[slots] == previous).to(ring.dtype)
-        context = join_in_time(ring.index_select(-1, slots) * held, new_inputs)
+        context = join_convolution_context(ring.index_select(-1, slots) * held, new_inputs)
         write_by_position(ring_positions, query_positions, [(ring, new_inputs, -1)])
         return context
 

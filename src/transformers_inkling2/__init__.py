@@ -5,6 +5,7 @@ The data path, module by module:
     modeling_inkling2_text   the text decoder: attention residuals, gated relative-bias attention, short
                              convolutions, MoE; `Inkling2ForCausalLM`
     attention                attention backends (`attn_implementation`), the eager reference first
+    fused_convolution        a prompt's short convolutions as one compiled kernel on CUDA
     cache_inkling2           `Inkling2Cache`: keys/values + short-convolution states, rollback for speculation
     static_cache_inkling2    `Inkling2StaticCache`: the same in fixed buffers (`cache_implementation="static"`)
     decode_graphs            decode steps over the static cache replayed as CUDA graphs

@@ -3,7 +3,8 @@ block attention residuals, the decoder layer, the base model and the causal-LM h
 
 This is the plain reference implementation: every step in the precision the original runs it in (fp32 for norms,
 convolutions, routing, attention-residual mixing and logits). Faster attention and expert backends plug in through
-`attention.ATTENTION_BACKENDS` and the experts implementation without changing this file's numerics.
+`attention.ATTENTION_BACKENDS` and the experts implementation, and a prompt's short convolutions run as one compiled
+kernel on CUDA (`fused_convolution`), without changing this file's numerics.
 """
 
 

@@ -226,7 +226,8 @@ def _flex_with_lse(attend, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]
 _FROM_KV_BLOCKS_TAKES_Q_FLAG = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
-def _on_cuda(tensor: torch.Tensor) -> bool:
+def on_cuda_outside_compile(tensor: torch.Tensor) -> bool:
+    """A CUDA tensor, and not already inside a graph `torch.compile` traces (fast paths compile or launch their own)."""
     return tensor.is_cuda and not torch.compiler.is_compiling()
 
 
@@ -290,7 +291,7 @@ def inkling2_flex_attention(
     offset = query_positions[0] - key_positions[0]
     if key_padding is not None:
         key_padding = key_padding.bool()
-    compiled = _on_cuda(query)
+    compiled = on_cuda_outside_compile(query)
     attend = _compiled_flex() if compiled else flex_attention
     # never the split-KV decode kernel for short query chunks: it needs a power-of-two GQA ratio (48 / 8 = 6)
     kernel_options = {"FORCE_USE_FLEX_ATTENTION": True} if compiled else None
@@ -432,7 +433,7 @@ def inkling2_flex_decode_attention(
     kv_heads, key_length = key.shape[1], key.shape[2]
     groups, extent = heads // kv_heads, relative_logits.shape[-1]
     offset = query_positions[0] - key_positions[0]
-    compiled = _on_cuda(query)
+    compiled = on_cuda_outside_compile(query)
     folded_rows = groups * query_length
     block_mask = distance_block_mask(
         offset, query_length, key_length, 0, sliding_window, None if key_padding is None else key_padding.bool(),

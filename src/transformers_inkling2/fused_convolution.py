@@ -4,15 +4,15 @@ The reference (`Inkling2ShortConvolution`) runs `F.conv1d` on the [batch, C, T +
 residual, scales and casts: over a long prompt, several passes through fp32 activations, one of them a transposing
 copy. Written as a sum of k shifted products, the same computation compiles (`torch.compile`) into one kernel that
 reads the context where it lies (time-major for a prompt, see `join_convolution_context`) and writes the output
-dtype. Decode and verification steps (at most `STEP_MAX_TOKENS` tokens) keep the reference path and its layout, so
-that what CUDA graphs capture stays as it was.
+dtype. Decode and verification steps (at most `attention_flex.DECODE_MAX_QUERIES` tokens, as for attention) keep the
+reference path and its layout, so that what CUDA graphs capture stays as it was.
 """
 
 import functools
 
 import torch
 
-STEP_MAX_TOKENS = 8  # a decode or DSpark verification step (7 drafts + 1); more tokens are a prompt
+from .attention_flex import DECODE_MAX_QUERIES, differentiable, on_cuda_outside_compile
 
 
 def join_convolution_context(history: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -20,7 +20,7 @@ def join_convolution_context(history: torch.Tensor, inputs: torch.Tensor) -> tor
     A prompt's is laid out time-major ([batch, T, C] in memory): its inputs arrive as a transposed view of [batch, T,
     C] activations, which that layout copies contiguously, and the fused convolution reads it so. A step's stays
     channel-major, the layout `F.conv1d` reads."""
-    if inputs.shape[-1] <= STEP_MAX_TOKENS:
+    if inputs.shape[-1] <= DECODE_MAX_QUERIES:
         return torch.cat([history, inputs], dim=-1)
     return torch.cat([history.transpose(1, 2), inputs.transpose(1, 2)], dim=1).transpose(1, 2)
 
@@ -42,14 +42,12 @@ def compiled_short_convolution():
 
 
 def runs_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a convolution of x [batch, T, C] takes the compiled kernel: a prompt (more than `STEP_MAX_TOKENS`
+    """Whether a convolution of x [batch, T, C] takes the compiled kernel: a prompt (more than `DECODE_MAX_QUERIES`
     tokens) on CUDA, no gradients, not already inside a compiled graph."""
-    differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return x.is_cuda and x.shape[1] > STEP_MAX_TOKENS and not differentiable and not torch.compiler.is_compiling()
+    return on_cuda_outside_compile(x) and x.shape[1] > DECODE_MAX_QUERIES and not differentiable(x, weight)
 
 
 __all__ = [
-    "STEP_MAX_TOKENS",
     "compiled_short_convolution",
     "join_convolution_context",
     "runs_fused",

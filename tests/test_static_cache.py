@@ -128,9 +128,22 @@ def test_dspark_over_the_static_cache_equals_plain_greedy(monkeypatch):
     assert torch.equal(actual, expected)
 
 
-def test_drafts_over_the_static_context_equal_drafts_over_the_growing_one(monkeypatch):
+@pytest.mark.parametrize("graph_pieces", [False, True])
+def test_drafts_over_the_static_context_equal_drafts_over_the_growing_one(monkeypatch, graph_pieces):
     """The drafter's context held in rings (static cache) gives the drafts it gives over the growing context, step by
-    step, with left padding and rows that accept different counts (planted acceptance patterns)."""
+    step, with left padding and rows that accept different counts (planted acceptance patterns). `graph_pieces`: the
+    draft and the context append go through `CapturedCall`'s buffers, as they do when a GPU replays them as graphs
+    (here eagerly, the capture stubbed out as failed), the append with its positions on the device."""
+    if graph_pieces:
+        real_init = dspark_generation.DSparkDecoder.__init__
+
+        def init(self, *args):
+            real_init(self, *args)
+            self.graphs = self.graph_drafts = isinstance(self.cache, Inkling2StaticCache)
+
+        monkeypatch.setattr(dspark_generation.DSparkDecoder, "__init__", init)
+        monkeypatch.setattr(dspark_generation, "capture_graph", lambda run, pool, what: None)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     target = build_with_drafter()
     input_ids, attention_mask = left_padded_batch(seed=10, length=30, pad=6)
     reference = greedy_generate(target, input_ids, attention_mask, new_tokens=30)

@@ -136,15 +136,13 @@ class DSparkDecoder:
         self.pad_token_id = pad_token_id(generation_config)
         context = Inkling2DSparkStaticContext if isinstance(cache, Inkling2StaticCache) else Inkling2DSparkContextCache
         self.context = context(len(self.drafter.layers), self.drafter.config.context_window)
-        # the draft replays as a CUDA graph too when nothing in it needs the host: no logits processor reading the
-        # growing prefix, no confidence threshold deciding where to stop
-        self.draft_graph = None
-        self.graph_drafts = (
-            runner is not None
-            and runner.use_cuda_graphs
-            and not logits_processor
-            and options.confidence_threshold is None
-        )
+        # with the target's steps, the context append of the verified positions replays as a CUDA graph, and so
+        # does the draft when nothing in it needs the host: no logits processor reading the growing prefix, no
+        # confidence threshold deciding where to stop
+        self.graphs = runner is not None and runner.use_cuda_graphs
+        self.graph_drafts = self.graphs and not logits_processor and options.confidence_threshold is None
+        self.draft_graph: CapturedCall | None = None
+        self.context_graph: CapturedCall | None = None
         self.step_count = 0
         self.accepted_counts: list[int] = []
 
@@ -154,12 +152,33 @@ class DSparkDecoder:
         """A target forward over new tokens; `attention_mask` covers the cached and the new tokens (None: no padding)."""
         return self.forward(attention_mask=attention_mask, past_key_values=self.cache, use_cache=True, **inputs)
 
-    def remember_context(self, hidden_states: tuple[torch.Tensor, ...], real: torch.Tensor) -> None:
-        """Context keys/values of the last positions the target just ran, `real` [batch, positions] saying which are
-        real tokens."""
-        keep = real.shape[1]
+    def context_keys_values(self, hidden_states: tuple[torch.Tensor, ...], keep: int):
+        """The drafter's context keys/values of the last `keep` positions the target just ran."""
         features = self.drafter.context_features(tuple(h[:, -keep:] for h in hidden_states))
-        self.context.append(self.drafter.context_keys_values(features), real)
+        return self.drafter.context_keys_values(features)
+
+    def remember_context(self, hidden_states: tuple[torch.Tensor, ...], real: torch.Tensor) -> None:
+        """Appends the context of the last positions the target just ran, `real` [batch, positions] saying which are
+        real tokens."""
+        self.context.append(self.context_keys_values(hidden_states, real.shape[1]), real)
+
+    def remember_verified(self, hidden_states: tuple[torch.Tensor, ...], verified: int, rows: int) -> None:
+        """Appends the context of all `verified` positions of a verification pass (real tokens; `commit` then takes
+        back the rejected ones). With graphs: one replay instead of the drafter's projections launched one by one."""
+        if not self.graphs:
+            self.remember_context(hidden_states, hidden_states[0].new_ones(rows, verified, dtype=torch.bool))
+            return
+        start = torch.full((1,), self.context.seen_tokens, device=hidden_states[0].device)
+        if self.context_graph is None:
+
+            def write(start, *hidden_states):
+                real = torch.ones(rows, verified, dtype=torch.bool, device=start.device)
+                positions = start + torch.arange(verified, device=start.device)
+                self.context.write(self.context_keys_values(hidden_states, verified), real, positions)
+
+            self.context_graph = CapturedCall(write, [start, *hidden_states], "DSpark context")
+        self.context_graph(start, *hidden_states)
+        self.context.seen_tokens += verified
 
     def pick(self, scores: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(token, its distribution or None for an argmax) from processed scores [rows, vocab]."""
@@ -216,7 +235,8 @@ class DSparkDecoder:
             drafts, distributions = self.draft_block(anchor.to(device), anchor_position, alive)
         else:
             if self.draft_graph is None:
-                self.draft_graph = CapturedDraft(self, anchor.to(device), anchor_position)
+                run = functools.partial(self.draft_block, alive=None)
+                self.draft_graph = CapturedCall(run, [anchor.to(device), anchor_position], "DSpark draft")
             drafts, distributions = self.draft_graph(anchor, anchor_position)
         return drafts.to(anchor.device), None if distributions is None else distributions.to(anchor.device)
 
@@ -272,20 +292,17 @@ class DSparkDecoder:
         if self.has_padding:
             mask = torch.cat([self.padding_mask, torch.ones_like(candidates, dtype=torch.bool)], dim=1)
         output = self.target(mask, input_ids=candidates, position_ids=positions, output_hidden_states=True)
-        prefix = torch.cat([self.tokens, candidates], dim=1) if self.logits_processor else None
-        seen = self.tokens.shape[1]
-        scores = torch.stack(
-            [
-                processed(
-                    self.logits_processor,
-                    None if prefix is None else prefix[:, : seen + j + 1],
-                    output.logits[:, j],
-                    drafts.device,
-                )
-                for j in range(num_drafts + 1)
-            ],
-            dim=1,
-        )
+        if self.logits_processor:  # every position sees its own prefix
+            prefix, seen = torch.cat([self.tokens, candidates], dim=1), self.tokens.shape[1]
+            scores = torch.stack(
+                [
+                    processed(self.logits_processor, prefix[:, : seen + j + 1], output.logits[:, j], drafts.device)
+                    for j in range(num_drafts + 1)
+                ],
+                dim=1,
+            )
+        else:
+            scores = processed(None, None, output.logits, drafts.device)
         rows = torch.arange(batch, device=drafts.device)
         if not self.do_sample:
             choices = scores.argmax(-1)
@@ -309,7 +326,7 @@ class DSparkDecoder:
         batch's largest count, and a row that keeps fewer moves right, its rejected tokens turning into padding."""
         most, verified = max(kept), candidates.shape[1]
         self.cache.crop(most - verified)
-        self.remember_context(hidden_states, torch.ones_like(candidates, dtype=torch.bool))
+        self.remember_verified(hidden_states, verified, candidates.shape[0])
         self.context.crop(verified - most)
         self.padding_mask = torch.cat([self.padding_mask, torch.ones_like(candidates[:, :most], dtype=torch.bool)], 1)
         self.tokens = torch.cat([self.tokens, candidates[:, :most]], dim=1)
@@ -323,13 +340,16 @@ class DSparkDecoder:
             self.has_padding = True
         self.real_lengths = self.real_lengths + torch.tensor(kept, device=candidates.device)
 
-    def step(self, anchor: torch.Tensor, alive: list[bool]) -> tuple[torch.Tensor, list[int]]:
-        """One round: returns (new tokens [batch, block_size + 1], of which row b's first `counts[b]` are valid)."""
+    def step(self, anchor: torch.Tensor, alive: list[bool]) -> tuple[torch.Tensor, list[list[int]]]:
+        """One round: returns (the next anchor [batch], every row's new tokens as a list: its accepted drafts and
+        the target's own token)."""
         drafts, draft_distributions = self.draft(anchor, alive)
         accepted, next_token, hidden_states = self.verify(anchor, drafts, draft_distributions)
         new_tokens = torch.cat([drafts, drafts[:, :1]], dim=1)
         new_tokens[torch.arange(len(anchor), device=drafts.device), accepted] = next_token
-        counts = [a + 1 for a in accepted.tolist()]
+        # one transfer to the host (one wait for the device) for the counts and the tokens
+        rows = torch.cat([accepted[:, None], new_tokens], dim=1).tolist()
+        counts = [row[0] + 1 for row in rows]
         most_alive = max(c for c, a in zip(counts, alive) if a)
         # a finished row keeps what the others keep: its content no longer matters, only the shared length
         self.commit(
@@ -339,25 +359,24 @@ class DSparkDecoder:
         )
         self.step_count += 1
         self.accepted_counts += [c - 1 for c, a in zip(counts, alive) if a]
-        return new_tokens, counts
+        return next_token, [row[1 : 1 + count] for row, count in zip(rows, counts)]
 
 
-class CapturedDraft:
-    """`DSparkDecoder.draft_block` as a CUDA graph over the static context rings: the anchor tokens and position are
-    copied into its input buffers, the graph replays, its outputs are read before the next draft. Runs eagerly
-    when the draft cannot be captured (a warning says why)."""
+class CapturedCall:
+    """`run(*inputs)` as a CUDA graph (a draft over the static context rings, a context append): the tensor inputs
+    are copied into the graph's own buffers, the graph replays, and its output, in the graph's memory, is read before
+    the next call. Runs eagerly when the call cannot be captured (a warning says why)."""
 
-    def __init__(self, decoder: DSparkDecoder, anchor: torch.Tensor, anchor_position: torch.Tensor):
-        self.decoder, self.anchor, self.anchor_position = decoder, anchor.clone(), anchor_position.clone()
-        run = functools.partial(decoder.draft_block, self.anchor, self.anchor_position, None)
+    def __init__(self, run, inputs: list[torch.Tensor], what: str):
+        self.run, self.inputs = run, [tensor.clone() for tensor in inputs]
         # a pool of its own: the target's graphs must not reuse the memory of the drafts they verify
-        self.captured = capture_graph(run, torch.cuda.graph_pool_handle(), "DSpark draft")
+        self.captured = capture_graph(lambda: run(*self.inputs), torch.cuda.graph_pool_handle(), what)
 
-    def __call__(self, anchor: torch.Tensor, anchor_position: torch.Tensor):
-        self.anchor.copy_(anchor)
-        self.anchor_position.copy_(anchor_position)
+    def __call__(self, *inputs: torch.Tensor):
+        for buffer, tensor in zip(self.inputs, inputs):
+            buffer.copy_(tensor)
         if self.captured is None:
-            return self.decoder.draft_block(self.anchor, self.anchor_position, None)
+            return self.run(*self.inputs)
         graph, output = self.captured
         graph.replay()
         return output
@@ -424,8 +443,7 @@ def dspark_decoding(
     def sequence_of_row(row, new):
         return torch.cat([input_ids[row], torch.tensor(generated[row] + new, device=device, dtype=torch.long)])[None]
 
-    def emit(new_tokens: torch.Tensor, counts: list[int]) -> None:
-        rows = [tokens[:count] for tokens, count in zip(new_tokens.tolist(), counts)]
+    def emit(rows: list[list[int]]) -> None:
         keep, done = tokens_to_keep(rows, [len(g) for g in generated], budget, eos_ids, extra_criteria, sequence_of_row)
         for row in range(batch):
             if alive[row]:
@@ -439,11 +457,10 @@ def dspark_decoding(
         anchor = decoder.prefill(
             input_ids, model_kwargs.get("attention_mask"), embeddings, model_kwargs.get("prefill_chunk_size")
         )
-        emit(anchor[:, None], [1] * batch)
+        emit([[token] for token in anchor.tolist()])
         while any(alive):
-            new_tokens, counts = decoder.step(anchor, alive)
-            anchor = new_tokens[torch.arange(batch, device=device), torch.tensor(counts, device=device) - 1]
-            emit(new_tokens, counts)
+            anchor, rows = decoder.step(anchor, alive)
+            emit(rows)
     if streamer is not None:
         streamer.end()
 

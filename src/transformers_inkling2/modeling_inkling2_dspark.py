@@ -95,12 +95,18 @@ class Inkling2DSparkStaticContext:
             self.real = torch.zeros(real.shape[0], self.capacity, dtype=torch.bool, device=real.device)
             self.positions = initial_slot_positions(self.capacity, real.device)
         new = real.shape[1]
-        positions = torch.arange(self.seen_tokens, self.seen_tokens + new, device=real.device)
+        self.write(layer_keys_values, real, self.seen_tokens + torch.arange(new, device=real.device))
+        self.seen_tokens += new
+
+    def write(
+        self, layer_keys_values: list[tuple[torch.Tensor, torch.Tensor]], real: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """The device half of `append` (positions on the device, `seen_tokens` untouched): what a decoding step
+        replays as a CUDA graph, advancing `seen_tokens` itself."""
         entries = [(self.real, real.bool(), 1)]
         for ring_keys, ring_values, (keys, values) in zip(self.keys, self.values, layer_keys_values):
             entries += [(ring_keys, keys, 2), (ring_values, values, 2)]
         write_by_position(self.positions, positions, entries)
-        self.seen_tokens += new
 
     def crop(self, count: int) -> None:
         self.seen_tokens -= max(0, count)

@@ -227,7 +227,9 @@ def visible_pairs(tokens: int, window: int | None) -> int:
 
 
 def attention_inputs(tokens: int, generator) -> dict:
-    """Inputs with the model's magnitudes: clipped queries/keys (norm about 16), RMS-normalized values."""
+    """Inputs with the model's magnitudes: clipped queries/keys (norm about 16), RMS-normalized values; relative
+    logits from 16-dim states and a bank, in the layout the model's projection gives them (`aligned_product`)."""
+    from transformers_inkling2.modeling_inkling2_text import aligned_product
 
     def randn(*shape, scale=1.0):
         return torch.randn(shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * scale
@@ -237,7 +239,7 @@ def attention_inputs(tokens: int, generator) -> dict:
         query=randn(1, HEADS, tokens, HEAD_DIM, scale=1.4),
         key=randn(1, KV_HEADS, tokens, HEAD_DIM, scale=1.4),
         value=randn(1, KV_HEADS, tokens, HEAD_DIM),
-        relative_logits=randn(1, HEADS, tokens, EXTENT),
+        relative_logits=aligned_product(randn(1, HEADS, tokens, D_REL), randn(D_REL, EXTENT, scale=0.25)),
         sinks=randn(1, HEADS, tokens),
         query_positions=positions,
         key_positions=positions,

@@ -2,13 +2,14 @@
 
 FlexAttention adds the bias through a `score_mod` that gathers `relative_logits[b, h, q, d]` one score at a time,
 which costs a sliding layer about 3x the same call without bias (docs/benchmarks.md). Here a program owns one query
-head and a block of BLOCK_M queries (`TILES`) and walks only the key blocks its rows can see (the window, or everything up to
-the diagonal in a full layer). For a tile, the bias of row i is a run of consecutive entries of its relative-logit
-row (distance d = p_i - p_j changes by one per key); holding the keys of a tile in descending order makes that run
-ascending, so the tile is one coalesced 2-D load. Key blocks come in runs that need no bias (wholly beyond the
-extent: the far part of a full layer), no mask (the inner blocks) or masks (edges and the diagonal). Masks (causal,
-window, left padding) are computed from positions; the softmax runs online and the sink joins the denominator at
-the end:
+head and a block of BLOCK_M queries (`TILES`) and walks only the key blocks its rows can see (the window, or
+everything up to the diagonal in a full layer). Key blocks are counted from the diagonal, so every query block meets
+the same distances d = p_i - p_j; for a tile, the bias of row i is a run of consecutive entries of its relative-logit
+row (d changes by one per key), and holding the keys of a tile in descending order makes that run ascending: one
+coalesced 2-D load, vectorized when the relative logits come in the layout of `aligned_product` (the model's, for
+prompts). Key blocks come in runs that need no bias (wholly beyond the extent: the far part of a full layer), no mask
+(the inner blocks) or masks (the diagonal, edges, keys crossing 0). Masks (causal, window, left padding) are
+computed from positions; the softmax runs online and the sink joins the denominator at the end:
 
     out = acc / (l + e^(sink - m)),   with acc and l scaled to the running max m (which includes the sink).
 

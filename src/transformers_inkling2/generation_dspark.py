@@ -162,22 +162,24 @@ class DSparkDecoder:
         real tokens."""
         self.context.append(self.context_keys_values(hidden_states, real.shape[1]), real)
 
-    def remember_verified(self, hidden_states: tuple[torch.Tensor, ...], verified: int, rows: int) -> None:
-        """Appends the context of all `verified` positions of a verification pass (real tokens; `commit` then takes
-        back the rejected ones). With graphs: one replay instead of the drafter's projections launched one by one."""
+    def remember_verified(self, hidden_states: tuple[torch.Tensor, ...], candidates: torch.Tensor) -> None:
+        """Appends the context of every position of a verification pass over `candidates` [batch, verified] (real
+        tokens; `commit` then takes back the rejected ones). With graphs: one replay instead of the drafter's
+        projections launched one by one."""
+        real = torch.ones_like(candidates, dtype=torch.bool)
         if not self.graphs:
-            self.remember_context(hidden_states, hidden_states[0].new_ones(rows, verified, dtype=torch.bool))
+            self.remember_context(hidden_states, real)
             return
-        start = torch.full((1,), self.context.seen_tokens, device=hidden_states[0].device)
+        verified = candidates.shape[1]
+        start = torch.full((1,), self.context.seen_tokens, device=candidates.device)
         if self.context_graph is None:
 
-            def write(start, *hidden_states):
-                real = torch.ones(rows, verified, dtype=torch.bool, device=start.device)
+            def write(start, real, *hidden_states):
                 positions = start + torch.arange(verified, device=start.device)
                 self.context.write(self.context_keys_values(hidden_states, verified), real, positions)
 
-            self.context_graph = CapturedCall(write, [start, *hidden_states], "DSpark context")
-        self.context_graph(start, *hidden_states)
+            self.context_graph = CapturedCall(write, [start, real, *hidden_states], "DSpark context")
+        self.context_graph(start, real, *hidden_states)
         self.context.seen_tokens += verified
 
     def pick(self, scores: torch.Tensor, sample: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,7 +328,7 @@ class DSparkDecoder:
         batch's largest count, and a row that keeps fewer moves right, its rejected tokens turning into padding."""
         most, verified = max(kept), candidates.shape[1]
         self.cache.crop(most - verified)
-        self.remember_verified(hidden_states, verified, candidates.shape[0])
+        self.remember_verified(hidden_states, candidates)
         self.context.crop(verified - most)
         self.padding_mask = torch.cat([self.padding_mask, torch.ones_like(candidates[:, :most], dtype=torch.bool)], 1)
         self.tokens = torch.cat([self.tokens, candidates[:, :most]], dim=1)

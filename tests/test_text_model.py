@@ -92,6 +92,24 @@ def test_a_prompt_too_long_for_one_forward_points_to_chunked_prefill():
         Inkling2RelativeLogits(16, 1024)(torch.empty(1, 50_000, 48, 16, device="meta"))
 
 
+@pytest.mark.parametrize("queries", [8, 9, 40])
+def test_relative_logits_of_prompts_come_aligned_for_the_prefill_kernel(queries):
+    """Decode steps (up to 8 queries) get the plain product; prompts get the same values as a view whose rows start
+    7 elements into the buffer at a pitch of 15 mod 16 (what makes the kernel's bias rows 16-byte aligned)."""
+    from transformers_inkling2.modeling_inkling2_text import Inkling2RelativeLogits
+
+    projection = Inkling2RelativeLogits(16, 40)
+    torch.nn.init.normal_(projection.proj)
+    states = torch.randn(2, queries, 3, 16)
+    logits = projection(states)
+    torch.testing.assert_close(logits, (states @ projection.proj).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    if queries > 8:
+        assert logits.storage_offset() % 8 == 7 and logits.stride(2) % 16 == 15
+        assert logits.stride(1) % 16 == 0 and logits.stride(0) % 16 == 0
+    else:
+        assert logits.storage_offset() == 0
+
+
 def test_hidden_states_equal_builtin():
     """The embeddings, then every layer's output: the stream speculative drafters tap."""
     ours, oracle = build_pair(seed=2)

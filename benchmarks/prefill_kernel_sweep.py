@@ -1,8 +1,8 @@
 """Tile sweep of the `inkling2_triton` prefill kernel (`attention_prefill_kernel`) on one GPU: one attention call
 (batch 1, 48 q / 8 kv heads, head_dim 128, bf16, window = extent = 1024) at 8k and 32k tokens, sliding and full
 layers, for (BLOCK_M, BLOCK_N, warps, stages) candidates; relative logits in the model's aligned layout, and for the
-layer's default tiles (`TILES`) also a contiguous copy (what the kernel read before the aligned layout). Errors at 8k are relative to
-`inkling2_flex`. TFLOP/s as in benchmarks/attention.py.
+layer's default tiles (`TILES`) also a contiguous copy (what the kernel read before the aligned layout). Errors at 8k
+are relative to `inkling2_flex`. TFLOP/s as in benchmarks/attention.py.
 
     PYTHONPATH=$PWD/src python3 benchmarks/prefill_kernel_sweep.py [sliding] [full]  # JSON lines; sweep.json in $OUT
 """

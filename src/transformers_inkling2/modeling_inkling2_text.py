@@ -76,9 +76,8 @@ class Inkling2RelativeLogits(nn.Module):
     def forward(self, relative_states: torch.Tensor) -> torch.Tensor:
         """[batch, queries, heads, d_rel] -> [batch, heads, queries, extent] bias per backward distance (for prompts,
         a view laid out for the prefill kernel: `aligned_product`)."""
-        batch, queries, heads, _ = relative_states.shape
         weight = self.proj.to(relative_states.dtype)
-        if queries <= DECODE_MAX_QUERIES:
+        if relative_states.shape[1] <= DECODE_MAX_QUERIES:
             return (relative_states @ weight).transpose(1, 2)
         return aligned_product(relative_states.transpose(1, 2), weight)
 

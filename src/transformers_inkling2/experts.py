@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quantized_formats as qf
+from .attention_flex import differentiable
 from .configuration_inkling2 import Inkling2TextConfig
 from .tensor_parallel import local_tensor
 
@@ -128,8 +129,7 @@ class Inkling2ExpertsBase(nn.Module):
     def uses_kernel(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
         """Inference on CUDA with the default implementation: the kernel has no backward, so with gradients flowing
         (into the activations, the routing weights or trainable expert weights) the differentiable paths run."""
-        trainable = (x, weights, *self.parameters())
-        needs_grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in trainable)
+        needs_grad = differentiable(x, weights, *self.parameters())
         return x.is_cuda and not needs_grad and experts_implementation(self.config) == "grouped_mm"
 
 

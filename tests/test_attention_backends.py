@@ -176,7 +176,7 @@ sys.path.insert(0, sys.argv[1])
 from test_attention_backends import held_in_a_ring, random_inputs
 from transformers_inkling2.attention import eager_attention
 from transformers_inkling2.attention_decode_kernel import decode_attention
-from transformers_inkling2.attention_prefill_kernel import prefill_attention
+from transformers_inkling2.attention_prefill_kernel import prefill_attention, reads_past_rows_in_bounds
 from transformers_inkling2.modeling_inkling2_text import aligned_product
 
 cases = {  # name: (inputs, window); keys split over several programs in all but the smallest
@@ -219,14 +219,16 @@ for name, (options, window) in prefill_cases.items():
     inputs = random_inputs(**options)
     expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
     results[name] = (prefill_attention(**inputs, sliding_window=window, scaling=0.25) - expected).abs().max().item()
-# the relative logits as the model's projection lays them out for prompts (a view into a padded buffer)
-inputs = random_inputs(seed=59, queries=300, keys=500, first_query=400, extent=200)
-states, bank = torch.randn(2, 12, 300, 4), torch.randn(4, 200) / 2
-inputs["relative_logits"] = aligned_product(states, bank)
-assert inputs["relative_logits"].storage_offset() % 8 == 7 and inputs["relative_logits"].stride(2) % 16 == 15
-expected = eager_attention(**inputs, sliding_window=None, scaling=0.25)
-results["prefill, relative logits in the aligned layout"] = (
-    prefill_attention(**inputs, sliding_window=None, scaling=0.25) - expected).abs().max().item()
+# the relative logits as the model's projection lays them out for prompts (a view into a padded buffer with a
+# guard: the diagonal and edge tiles then read their bias without masks)
+for window, padding in ((None, (0, 0)), (256, (0, 30))):  # the window beyond the extent: d >= extent selected
+    inputs = random_inputs(seed=59, queries=300, keys=500, first_query=400, extent=200, padding=padding)
+    states, bank = torch.randn(2, 12, 300, 4), torch.randn(4, 200) / 2
+    inputs["relative_logits"] = aligned_product(states, bank)
+    assert reads_past_rows_in_bounds(inputs["relative_logits"], 128, 128)
+    expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
+    results[f"prefill, relative logits in the aligned layout, window {window}"] = (
+        prefill_attention(**inputs, sliding_window=window, scaling=0.25) - expected).abs().max().item()
 print(json.dumps(results))
 """
 
@@ -236,7 +238,7 @@ def test_attention_kernels_under_the_triton_interpreter_equal_eager():
     """The fused decode and prefill kernels (what CUDA tensors run), on CPU under Triton's interpreter (fp32 MMAs
     there), against the eager reference."""
     results = run_under_triton_interpreter(_ATTENTION_KERNELS_SCRIPT, str(Path(__file__).parent))
-    assert len(results) == 21 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
+    assert len(results) == 22 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
     assert results["compiled"] == 0
 
 

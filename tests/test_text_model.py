@@ -95,8 +95,9 @@ def test_a_prompt_too_long_for_one_forward_points_to_chunked_prefill():
 @pytest.mark.parametrize("queries", [8, 9, 40])
 def test_relative_logits_of_prompts_come_aligned_for_the_prefill_kernel(queries):
     """Decode steps (up to 8 queries) get the plain product; prompts get the same values as a view whose rows start
-    7 elements into the buffer at a pitch of 15 mod 16 (what makes the kernel's bias rows 16-byte aligned)."""
-    from transformers_inkling2.modeling_inkling2_text import Inkling2RelativeLogits
+    one element before a 16-byte boundary at a pitch of 15 mod 16 (what makes the kernel's bias rows 16-byte
+    aligned), with a guard of buffer around them (what lets its tiles read past the rows without masks)."""
+    from transformers_inkling2.modeling_inkling2_text import ALIGNED_GUARD, Inkling2RelativeLogits
 
     projection = Inkling2RelativeLogits(16, 40)
     torch.nn.init.normal_(projection.proj)
@@ -104,8 +105,13 @@ def test_relative_logits_of_prompts_come_aligned_for_the_prefill_kernel(queries)
     logits = projection(states)
     torch.testing.assert_close(logits, (states @ projection.proj).transpose(1, 2), rtol=1e-5, atol=1e-5)
     if queries > 8:
-        assert logits.storage_offset() % 8 == 7 and logits.stride(2) % 16 == 15
+        assert (logits.storage_offset() + 1) % 8 == 0 and logits.stride(2) % 16 == 15
         assert logits.stride(1) % 16 == 0 and logits.stride(0) % 16 == 0
+        last = logits.storage_offset() + sum((n - 1) * step for n, step in zip(logits.shape, logits.stride()))
+        assert (
+            logits.storage_offset() >= ALIGNED_GUARD
+            and logits.untyped_storage().size() // 4 - 1 - last >= ALIGNED_GUARD
+        )
     else:
         assert logits.storage_offset() == 0
 

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_kernel_tiles import attention_output_like, kernel_inputs, online_softmax_step, tile_scores, visible_keys
+from .attention_kernel_tiles import (
+    LOG2E,
+    attention_output_like,
+    kernel_inputs,
+    online_softmax_step,
+    tile_scores,
+    visible_keys,
+)
 
 BLOCK_KEYS = 64
 MAX_ROWS = 64  # folded rows of one tile: its fp32 output accumulator stays in registers
@@ -77,7 +84,7 @@ def _decode_partial_kernel(
         visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
                                HAS_PADDING)
         bias = tl.load(bias_rows[:, None] + distance, mask=visible & (distance < extent), other=0.0)
-        scores = tl.where(visible, scores * scaling + bias.to(tl.float32), float("-inf"))
+        scores = tl.where(visible, (scores * scaling + bias.to(tl.float32)) * LOG2E, float("-inf"))
         v = tl.load(v_base + cols[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
         m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
     part = pair * num_splits + split
@@ -96,15 +103,15 @@ def _decode_merge_kernel(
     pair = tl.program_id(0)
     b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
     dims = tl.arange(0, DIM)
-    sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + query * stride_sq).to(tl.float32)
-    top = sink
+    sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + query * stride_sq).to(tl.float32) * LOG2E
+    top = sink  # base 2, as the splits' maxima
     for s in range(num_splits):
         top = tl.maximum(top, tl.load(m_ptr + (pair * num_splits + s) * ROWS + rows))
-    denominator = tl.exp(sink - top)
+    denominator = tl.exp2(sink - top)
     numerator = tl.zeros((ROWS, DIM), dtype=tl.float32)
     for s in range(num_splits):
         part = pair * num_splits + s
-        weight = tl.exp(tl.load(m_ptr + part * ROWS + rows) - top)  # exp(-inf) = 0 for a split that saw nothing
+        weight = tl.exp2(tl.load(m_ptr + part * ROWS + rows) - top)  # 2^-inf = 0 for a split that saw nothing
         denominator += weight * tl.load(l_ptr + part * ROWS + rows)
         numerator += weight[:, None] * tl.load(acc_ptr + (part * ROWS + rows[:, None]) * DIM + dims[None, :])
     out = numerator / denominator[:, None]

@@ -12,6 +12,9 @@ import triton.language as tl
 # under Triton's interpreter (read by triton at import, like here) the MMAs run in fp32: its bf16 dot is unreliable
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# the kernels keep scores in base 2 (natural-log scores times log2 e) so that each exponential is one ex2
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 def kernel_inputs(query, key, value, relative_logits, key_padding):
     """(query, key, value, relative_logits, padding, fp32 MMAs?) as the kernels read them: unit stride on the last
@@ -50,12 +53,12 @@ def visible_keys(distance, row_ok, cols, col_ok, padding_row_ptr, window,
 
 @triton.jit
 def online_softmax_step(scores, v, m, l, acc, DOT_FP32: tl.constexpr):
-    """Folds a tile of scores (-inf where not visible) and its values [N, D] into the running max m, sum l and
-    unnormalized output acc of each row. Rows that have seen no key yet keep m = -inf and l = acc = 0."""
+    """Folds a tile of scores in base 2 (-inf where not visible) and its values [N, D] into the running max m (base
+    2), sum l and unnormalized output acc of each row. Rows that have seen no key yet keep m = -inf, l = acc = 0."""
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(scores - m_safe[:, None])
-    alpha = tl.exp(m - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
     if DOT_FP32:
         values = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:

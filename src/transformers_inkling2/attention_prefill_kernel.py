@@ -7,11 +7,14 @@ everything up to the diagonal in a full layer). Key blocks are counted from the 
 the same distances d = p_i - p_j; for a tile, the bias of row i is a run of consecutive entries of its relative-logit
 row (d changes by one per key), and holding the keys of a tile in descending order makes that run ascending: one
 coalesced 2-D load, vectorized when the relative logits come in the layout of `aligned_product` (the model's, for
-prompts). Key blocks come in runs that need no bias (wholly beyond the extent: the far part of a full layer), no mask
+prompts), whose guard of buffer around them lets even the masked blocks read their bias without masks (a select
+keeps 0 <= d < extent). Key blocks come in runs that need no bias (wholly beyond the extent: the far part of a full layer), no mask
 (the inner blocks) or masks (the diagonal, edges, keys crossing 0). Masks (causal, window, left padding) are
 computed from positions; the softmax runs online and the sink joins the denominator at the end:
 
-    out = acc / (l + e^(sink - m)),   with acc and l scaled to the running max m (which includes the sink).
+    out = acc / (l + e^(sink - m)),   with acc and l scaled to the running max m (which includes the sink),
+
+all in base 2 inside the kernel (scores times log2 e: one ex2 per exponential).
 
 Positions must be contiguous and ascending (`q0 + arange(Q)`, `k0 + arange(K)`), as for `inkling2_flex`; q0 and k0
 are read on the device (no host sync). Imported only for CUDA tensors (or under Triton's interpreter).
@@ -23,12 +26,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_kernel_tiles import attention_output_like, kernel_inputs, online_softmax_step, tile_scores, visible_keys
+from .attention_kernel_tiles import (
+    LOG2E,
+    attention_output_like,
+    kernel_inputs,
+    online_softmax_step,
+    tile_scores,
+    visible_keys,
+)
 
 # (BLOCK_M, BLOCK_N, warps, stages) by layer, from sweeps on one H200 (benchmarks/prefill_kernel_sweep.py,
-# docs/benchmarks.md): a full layer walks long runs of key blocks; a sliding layer's program sees 9 blocks of 128 keys
-# in 5 runs, and blocks of 64 with a deeper pipeline keep its loads ahead of its MMAs (1.6x at 32k)
-TILES = {"full": (128, 128, 8, 2), "sliding": (128, 64, 8, 3)}
+# docs/benchmarks.md): since the diagonal and edge blocks read their bias unmasked, both layer kinds are fastest with
+# blocks of 64 keys and three stages (128 x 128 tiles spill registers)
+TILES = {"full": (128, 64, 8, 3), "sliding": (128, 64, 8, 3)}
 
 # how a run of key blocks treats the relative bias
 NO_BIAS = tl.constexpr(0)
@@ -43,19 +53,21 @@ def _attend_key_blocks(q, m, l, acc, lo, hi, rows, row_ok, first, bias_rows, k_b
                        stride_kk, stride_vk, key_length, extent, window, scaling,
                        DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
                        BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PADDING: tl.constexpr,
-                       DOT_FP32: tl.constexpr):
+                       GUARDED: tl.constexpr, DOT_FP32: tl.constexpr):
     """Folds key blocks j in [lo, hi) into the online softmax of the query block. Block j holds the keys
     [first + BM - (j + 1) BN, first + BM - j BN) in descending order (column c is key first + BM - j BN - 1 - c), so
     local row r sees them at distances r - BM + j BN + 1 + c, the same for every query block: its bias is one
     ascending run of its relative logits that starts j BN - BM + 1 entries after the row's own (`bias_rows`). The
     caller splits the blocks into runs that need no mask (MASKED false) and whose distances all lie in [0, extent)
-    (FULL_BIAS: a load without mask) or all beyond it (NO_BIAS)."""
+    (FULL_BIAS: a load without mask) or all beyond it (NO_BIAS); the others (MASKED_BIAS) load their bias without
+    mask too when the buffer holds a guard around the relative logits (GUARDED) and select it where 0 <= d < extent."""
     dims = tl.arange(0, DIM)
     ascending = tl.arange(0, BN)
-    local_distance = (rows % BM - BM + 1)[:, None] + ascending[None, :]
+    row_distance = rows % BM - BM + 1  # of column 0 in block 0
     for j in range(lo, hi):
         cols = first + BM - j * BN - 1 - ascending
-        distance = local_distance + j * BN
+        # built from vectors in each step: a [BM, BN] tile of distances kept across steps would hold registers
+        distance = (row_distance + j * BN)[:, None] + ascending[None, :]
         if MASKED:
             col_ok = (cols >= 0) & (cols < key_length)
             k = tl.load(k_base + cols[:, None] * stride_kk + dims[None, :], mask=col_ok[:, None], other=0.0)
@@ -63,15 +75,18 @@ def _attend_key_blocks(q, m, l, acc, lo, hi, rows, row_ok, first, bias_rows, k_b
         else:
             k = tl.load(k_base + cols[:, None] * stride_kk + dims[None, :])
             v = tl.load(v_base + cols[:, None] * stride_vk + dims[None, :])
-        scores = tile_scores(q, k, DOT_FP32) * scaling
+        scores = tile_scores(q, k, DOT_FP32) * (scaling * LOG2E)  # base 2 (online_softmax_step)
         if MASKED:
             visible = visible_keys(distance, row_ok, cols, col_ok, padding_row_ptr, window, HAS_WINDOW, HAS_PADDING)
         bias = bias_rows[:, None] + (j * BN + ascending)[None, :]
         if BIAS == FULL_BIAS:
-            scores += tl.load(bias).to(tl.float32)
+            scores += tl.load(bias).to(tl.float32) * LOG2E
         elif BIAS == MASKED_BIAS:
-            in_extent = (distance >= 0) & (distance < extent) & row_ok[:, None]
-            scores += tl.load(bias, mask=in_extent, other=0.0).to(tl.float32)
+            in_extent = (distance >= 0) & (distance < extent)
+            if GUARDED:  # reads past a row's ends stay in the buffer; whatever they hold is not selected
+                scores += tl.where(in_extent, tl.load(bias).to(tl.float32) * LOG2E, 0.0)
+            else:
+                scores += tl.load(bias, mask=in_extent & row_ok[:, None], other=0.0).to(tl.float32) * LOG2E
         if MASKED:
             scores = tl.where(visible, scores, float("-inf"))
         m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
@@ -85,7 +100,8 @@ def _prefill_kernel(
     stride_rb, stride_rh, bias_pitch, stride_sb, stride_sh, stride_sq, stride_pb, stride_ob, stride_oq, stride_oh,
     query_length, key_length, extent, window, scaling,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_FAR: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_FAR: tl.constexpr, GUARDED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     """grid (cdiv(Q, BM), batch * heads). `rl_ptr` points one element past the relative logits' start and
     `bias_pitch` is their query stride + 1 (see `prefill_attention`)."""
@@ -137,29 +153,39 @@ def _prefill_kernel(
     # the runs, nearest keys first
     m, l, acc = _attend_key_blocks(q, m, l, acc, 0, diagonal_end, rows, row_ok, first, bias_rows, k_base, v_base,
                                    padding_row_ptr, stride_kk, stride_vk, key_length, extent, window, scaling,
-                                   DIM, BM, BN, True, MASKED_BIAS, HAS_WINDOW, HAS_PADDING, DOT_FP32)
+                                   DIM, BM, BN, True, MASKED_BIAS, HAS_WINDOW, HAS_PADDING, GUARDED, DOT_FP32)
     m, l, acc = _attend_key_blocks(q, m, l, acc, diagonal_end, inner_end, rows, row_ok, first, bias_rows, k_base,
                                    v_base, padding_row_ptr, stride_kk, stride_vk, key_length, extent, window, scaling,
-                                   DIM, BM, BN, HAS_PADDING, FULL_BIAS, HAS_WINDOW, HAS_PADDING, DOT_FP32)
+                                   DIM, BM, BN, HAS_PADDING, FULL_BIAS, HAS_WINDOW, HAS_PADDING, GUARDED, DOT_FP32)
     m, l, acc = _attend_key_blocks(q, m, l, acc, inner_end, far_start, rows, row_ok, first, bias_rows, k_base,
                                    v_base, padding_row_ptr, stride_kk, stride_vk, key_length, extent, window, scaling,
-                                   DIM, BM, BN, True, MASKED_BIAS, HAS_WINDOW, HAS_PADDING, DOT_FP32)
+                                   DIM, BM, BN, True, MASKED_BIAS, HAS_WINDOW, HAS_PADDING, GUARDED, DOT_FP32)
     m, l, acc = _attend_key_blocks(q, m, l, acc, far_start, far_end, rows, row_ok, first, bias_rows, k_base, v_base,
                                    padding_row_ptr, stride_kk, stride_vk, key_length, extent, window, scaling,
-                                   DIM, BM, BN, MASK_FAR, NO_BIAS, HAS_WINDOW, HAS_PADDING, DOT_FP32)
+                                   DIM, BM, BN, MASK_FAR, NO_BIAS, HAS_WINDOW, HAS_PADDING, GUARDED, DOT_FP32)
     m, l, acc = _attend_key_blocks(q, m, l, acc, far_end, end, rows, row_ok, first, bias_rows, k_base, v_base,
                                    padding_row_ptr, stride_kk, stride_vk, key_length, extent, window, scaling,
-                                   DIM, BM, BN, True, NO_BIAS, HAS_WINDOW, HAS_PADDING, DOT_FP32)
+                                   DIM, BM, BN, True, NO_BIAS, HAS_WINDOW, HAS_PADDING, GUARDED, DOT_FP32)
 
-    sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + safe_rows * stride_sq).to(tl.float32)
-    top = tl.maximum(m, sink)
-    scale = tl.exp(m - top)  # 0 for a row without visible keys: all its mass goes to the sink
-    out = acc * scale[:, None] / (l * scale + tl.exp(sink - top))[:, None]
+    sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + safe_rows * stride_sq).to(tl.float32) * LOG2E
+    top = tl.maximum(m, sink)  # base 2, as m
+    scale = tl.exp2(m - top)  # 0 for a row without visible keys: all its mass goes to the sink
+    out = acc * scale[:, None] / (l * scale + tl.exp2(sink - top))[:, None]
     destination = out_ptr + b * stride_ob + safe_rows[:, None] * stride_oq + head * stride_oh + dims[None, :]
     tl.store(destination, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 # fmt: on
+
+
+def reads_past_rows_in_bounds(relative_logits: torch.Tensor, block_m: int, block_n: int) -> bool:
+    """Whether the buffer behind the relative logits extends at least `block_m` elements before the first and
+    `block_m + block_n` after the last (`aligned_product` leaves such a guard): a tile reads its rows from
+    d = 1 - block_m to at most extent + block_m + block_n - 3, so then no bias load needs a mask."""
+    first = relative_logits.storage_offset()
+    last = first + sum((size - 1) * stride for size, stride in zip(relative_logits.shape, relative_logits.stride()))
+    stored = relative_logits.untyped_storage().nbytes() // relative_logits.element_size()
+    return first >= block_m and stored - 1 - last >= block_m + block_n
 
 
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -202,7 +228,8 @@ def prefill_attention(
         queries, key_length, relative_logits.shape[-1], sliding_window or 0, scaling,
         HEADS=heads, GROUPS=heads // kv_heads, DIM=head_dim, BM=block_m, BN=block_n,
         HAS_PADDING=key_padding is not None, HAS_WINDOW=sliding_window is not None,
-        MASK_FAR=key_padding is not None or sliding_window is not None, DOT_FP32=fp32,
+        MASK_FAR=key_padding is not None or sliding_window is not None,
+        GUARDED=reads_past_rows_in_bounds(relative_logits, block_m, block_n), DOT_FP32=fp32,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return output

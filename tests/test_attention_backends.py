@@ -217,6 +217,7 @@ prefill_cases = {  # (inputs, window): 128-query and 128-key blocks; extent 24 l
 }
 for name, (options, window) in prefill_cases.items():
     inputs = random_inputs(**options)
+    assert not reads_past_rows_in_bounds(inputs["relative_logits"], 128, 64)  # masked bias loads at the row ends
     expected = eager_attention(**inputs, sliding_window=window, scaling=0.25)
     results[name] = (prefill_attention(**inputs, sliding_window=window, scaling=0.25) - expected).abs().max().item()
 # the relative logits as the model's projection lays them out for prompts (a view into a padded buffer with a

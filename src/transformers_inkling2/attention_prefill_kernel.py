@@ -8,9 +8,9 @@ the same distances d = p_i - p_j; for a tile, the bias of row i is a run of cons
 row (d changes by one per key), and holding the keys of a tile in descending order makes that run ascending: one
 coalesced 2-D load, vectorized when the relative logits come in the layout of `aligned_product` (the model's, for
 prompts), whose guard of buffer around them lets even the masked blocks read their bias without masks (a select
-keeps 0 <= d < extent). Key blocks come in runs that need no bias (wholly beyond the extent: the far part of a full layer), no mask
-(the inner blocks) or masks (the diagonal, edges, keys crossing 0). Masks (causal, window, left padding) are
-computed from positions; the softmax runs online and the sink joins the denominator at the end:
+keeps 0 <= d < extent). Key blocks come in runs that need no bias (wholly beyond the extent: the far part of a full
+layer), no mask (the inner blocks) or masks (the diagonal, edges, keys crossing 0). Masks (causal, window, left
+padding) are computed from positions; the softmax runs online and the sink joins the denominator at the end:
 
     out = acc / (l + e^(sink - m)),   with acc and l scaled to the running max m (which includes the sink),
 

@@ -260,18 +260,20 @@ def wide_sweep(args):
     ms = graph_time_ms([(lambda s=s: km.route(s[1], E, 16)) for s in sets1])
     lines.append(f"| - | 1 | route only | {ms * 1e3:.1f} | | |")
     # NVFP4 packs 64 bytes per weight row in a 128-wide K step: 256-wide steps and deeper pipelines were tried to keep
-    # as many bytes in flight per program as MXFP8's 128-wide steps (measured: only 256-wide steps at T=8 gained)
-    shapes = {"nvfp4": [(64, 64, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4),
-                        (32, 64, 256, 4, 3), (64, 64, 256, 8, 4)],
-              "mxfp8": [(64, 64, 128, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4), (64, 64, 256, 8, 3)]}
+    # as many bytes in flight per program as MXFP8's 128-wide steps (measured: only 256-wide steps at T=8 gained).
+    # 32-wide N tiles (and split K) at T=1: twice the programs, for a GEMM that ncu found short of warps there
+    shapes = {"nvfp4": [(64, 64, 128, 4, 3), (32, 32, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 128, 4, 5),
+                        (32, 32, 256, 4, 4), (32, 64, 256, 4, 3), (64, 64, 256, 8, 4)],
+              "mxfp8": [(64, 64, 128, 4, 3), (32, 32, 128, 4, 3), (64, 64, 128, 4, 5), (32, 32, 256, 4, 4),
+                        (64, 64, 256, 8, 3)]}
     for fmt in ("nvfp4", "mxfp8"):
         w = make_weights(fmt, gen)
         kw = {k: v for k, v in w.items() if k not in ("w13", "w2")}
         for tokens in (1, 8, 64):
             sets = inputs(tokens, gen, ROTATIONS)
             nbytes = sum(int(torch.unique(ids).numel()) for _, ids, _, _ in sets) / len(sets) * bytes_per_expert(fmt)
-            for i, (bn1, bn2, bk, nw, ns) in enumerate(shapes[fmt]):
-                for split in ((1, 2) if tokens == 1 and i == 0 else (1,)):
+            for bn1, bn2, bk, nw, ns in shapes[fmt]:
+                for split in ((1, 2) if tokens == 1 and (bk, ns) == (128, 3) else (1,)):
                     cfg = km.KernelConfig(16, bn1, bn2, bk, nw, ns, split)
                     try:
                         ms = graph_time_ms([(lambda s=s: km.moe_forward(s[0], s[1], s[2], w["w13"], w["w2"], fmt,

@@ -507,30 +507,39 @@ def test_gpu_tiny_model_fp32_logits_equal_eager():
 @pytest.mark.parametrize(
     "options",
     [dict(queries=4096, padding=(0, 0)), dict(queries=1000, padding=(0, 300)),
-     dict(queries=600, keys=3600, first_query=3000, padding=(0, 0))],
-    ids=["4k", "1000-padded", "chunk-after-cache"],
+     dict(queries=600, keys=3600, first_query=3000, padding=(0, 0)), dict(queries=9, padding=(0,)),
+     dict(queries=200, padding=(5, 0))],
+    ids=["4k", "1000-padded", "chunk-after-cache", "9-queries", "200-padded"],
 )
 def test_gpu_gluon_sliding_prefill_full_size(options):
-    """The experimental Gluon sliding-layer kernel (Hopper) on the model's guarded relative-logit layout, bf16, vs
-    eager fp32 on the same values."""
+    """The Gluon sliding-layer kernel (Hopper) on the model's guarded relative-logit layout, bf16, vs eager fp32 on the
+    same values; `prefill_attention` routes such inputs to it, and others (plain logits, fp32, a window beyond the
+    extent) to the Triton kernel."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     from transformers_inkling2 import attention_prefill_gluon
+    from transformers_inkling2.attention_prefill_kernel import prefill_attention
     from transformers_inkling2.modeling_inkling2_text import aligned_product
 
     reference = random_inputs(seed=7, batch=len(options["padding"]), heads=48, kv_heads=8, head_dim=128,
                               extent=1024, query_scale=1.5, device="cuda", **options)
     generator = torch.Generator(device="cuda").manual_seed(8)
-    states = torch.randn(2, 48, options["queries"], 16, device="cuda", generator=generator).bfloat16()
-    bank = (torch.randn(16, 1024, device="cuda", generator=generator) * 0.1).bfloat16()
+    states = torch.randn(len(options["padding"]), 48, options["queries"], 16, device="cuda", generator=generator)
+    bank = torch.randn(16, 1024, device="cuda", generator=generator) * 0.1
     low = {name: tensor.bfloat16() if tensor is not None and tensor.is_floating_point() else tensor
            for name, tensor in reference.items()}
-    low["relative_logits"] = aligned_product(states, bank)
+    low["relative_logits"] = aligned_product(states.bfloat16(), bank.bfloat16())
     reference["relative_logits"] = low["relative_logits"].float()
-    assert attention_prefill_gluon.supports(low["query"], low["key"], low["relative_logits"], 1024)
     with torch.no_grad():
         expected = eager_attention(**reference, sliding_window=1024, scaling=128**-0.5)
         eager16 = eager_attention(**low, sliding_window=1024, scaling=128**-0.5)
         fast16 = attention_prefill_gluon.sliding_prefill_attention(**low, sliding_window=1024, scaling=128**-0.5)
+        routed = prefill_attention(**low, sliding_window=1024, scaling=128**-0.5)
     assert torch.isfinite(fast16).all()
     assert relative_error(fast16, expected) <= 1.5 * relative_error(eager16, expected) + 1e-3
+    assert torch.equal(routed, fast16)
+    supports = attention_prefill_gluon.supports
+    assert supports(low["query"], low["key"], low["value"], low["relative_logits"], 1024)
+    assert not supports(low["query"], low["key"], low["value"], low["relative_logits"].contiguous(), 1024)
+    assert not supports(low["query"], low["key"], low["value"], low["relative_logits"], 1025)
+    assert not supports(reference["query"], reference["key"], reference["value"], reference["relative_logits"], 1024)

@@ -16,6 +16,9 @@ padding) are computed from positions; the softmax runs online and the sink joins
 
 all in base 2 inside the kernel (scores times log2 e: one ex2 per exponential).
 
+On Hopper, sliding layers run a Gluon version of this kernel with the MMAs scheduled by hand
+(`attention_prefill_gluon`, faster: docs/benchmarks.md) where its scope allows.
+
 Positions must be contiguous and ascending (`q0 + arange(Q)`, `k0 + arange(K)`), as for `inkling2_flex`; q0 and k0
 are read on the device (no host sync). Imported only for CUDA tensors (or under Triton's interpreter).
 """
@@ -39,6 +42,9 @@ from .attention_kernel_tiles import (
 # docs/benchmarks.md): since the diagonal and edge blocks read their bias unmasked, both layer kinds are fastest with
 # blocks of 64 keys and three stages (128 x 128 tiles spill registers)
 TILES = {"full": (128, 64, 8, 3), "sliding": (128, 64, 8, 3)}
+
+# `attention_prefill_gluon` is written against Gluon as Triton 3.6 ships it (an experimental API that still changes)
+GLUON_API = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 
 # how a run of key blocks treats the relative bias
 NO_BIAS = tl.constexpr(0)
@@ -208,7 +214,24 @@ def prefill_attention(
     scaling: float,
 ) -> torch.Tensor:
     """Same contract as `attention.eager_attention`, positions contiguous and ascending -> [B, Q, H, D]. A custom op,
-    so that `torch.compile` calls it as it is."""
+    so that `torch.compile` calls it as it is. Sliding layers on Hopper run the Gluon kernel where it applies, the
+    rest `triton_prefill_attention`."""
+    inputs = (query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window,
+              scaling)  # fmt: skip
+    if sliding_window is not None and query.is_cuda and GLUON_API:
+        from . import attention_prefill_gluon  # imported here: it imports this module
+
+        if attention_prefill_gluon.supports(query, key, value, relative_logits, sliding_window):
+            return attention_prefill_gluon.sliding_prefill_attention(*inputs)
+    return triton_prefill_attention(*inputs)
+
+
+prefill_attention.register_fake(attention_output_like)
+
+
+def triton_prefill_attention(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding,
+                             sliding_window, scaling) -> torch.Tensor:
+    """`prefill_attention` through `_prefill_kernel`, for every layer kind, dtype and GPU Triton supports."""
     batch, heads, queries, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
     query, key, value, relative_logits, padding, fp32 = kernel_inputs(query, key, value, relative_logits, key_padding)
@@ -235,7 +258,4 @@ def prefill_attention(
     return output
 
 
-prefill_attention.register_fake(attention_output_like)
-
-
-__all__ = ["prefill_attention", "supports"]
+__all__ = ["prefill_attention", "supports", "triton_prefill_attention"]

@@ -42,7 +42,7 @@ for tokens in (8192, 32768):
                     continue
 
                 def run():
-                    return K.prefill_attention(**x, sliding_window=window, scaling=128**-0.5)
+                    return K.triton_prefill_attention(**x, sliding_window=window, scaling=128**-0.5)
 
                 try:
                     start = time.time()

@@ -515,8 +515,8 @@ def test_gpu_gluon_sliding_prefill_full_size(options):
     """The Gluon sliding-layer kernel (Hopper) on the model's guarded relative-logit layout, bf16, vs eager fp32 on the
     same values; `prefill_attention` routes such inputs to it, and others (plain logits, fp32, a window beyond the
     extent) to the Triton kernel."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for Hopper")
+    if not torch.cuda.is_available() or torch.version.hip or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper under CUDA")
     from transformers_inkling2 import attention_prefill_gluon
     from transformers_inkling2.attention_prefill_kernel import prefill_attention
     from transformers_inkling2.modeling_inkling2_text import aligned_product

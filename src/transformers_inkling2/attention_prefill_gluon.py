@@ -10,9 +10,9 @@ warpgroup on 64 query rows with two copy stages (96 KB of shared memory, 222 reg
 SM and one's softmax runs while the other's MMAs do: 292-317 TFLOP/s at 32k on an H200 against the Triton kernel's
 226-242 (128-row programs of two warpgroups, one per SM: 255-278; docs/benchmarks.md).
 
-Scope (else the Triton kernel runs): Hopper, Triton >= 3.6, a sliding layer with window <= extent (every visible key
-carries a bias: no far blocks), bf16, head_dim 128, relative logits in `aligned_product`'s guarded, 16-byte aligned
-layout and keys / values whose rows are 16-byte aligned (the copies move 16 bytes at a time). Keys, values and the
+Scope (else the Triton kernel runs): Hopper under CUDA, Triton >= 3.6, a sliding layer with window <= extent (every
+visible key carries a bias: no far blocks), bf16, head_dim 128, relative logits in `aligned_product`'s guarded,
+16-byte aligned layout and keys / values whose rows are 16-byte aligned (the copies move 16 bytes at a time). Keys, values and the
 bias tile of each block stream through shared memory with asynchronous copies; Q stays there. Blocks are laid out
 from the diagonal in descending key order as in the Triton kernel (a row's bias is one ascending run).
 """
@@ -232,6 +232,7 @@ def supports(query, key, value, relative_logits, sliding_window) -> bool:
     bias_strides = (relative_logits.stride(0), relative_logits.stride(1), relative_logits.stride(2) + 1)
     return (
         query.is_cuda
+        and torch.version.hip is None  # ROCm reports MI300 as capability 9.4
         and torch.cuda.get_device_capability(query.device)[0] == 9
         and query.dtype == key.dtype == value.dtype == relative_logits.dtype == torch.bfloat16
         and query.shape[-1] == HEAD_DIM

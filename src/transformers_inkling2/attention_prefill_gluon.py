@@ -12,9 +12,9 @@ SM and one's softmax runs while the other's MMAs do: 292-317 TFLOP/s at 32k on a
 
 Scope (else the Triton kernel runs): Hopper under CUDA, Triton >= 3.6, a sliding layer with window <= extent (every
 visible key carries a bias: no far blocks), bf16, head_dim 128, relative logits in `aligned_product`'s guarded,
-16-byte aligned layout and keys / values whose rows are 16-byte aligned (the copies move 16 bytes at a time). Keys, values and the
-bias tile of each block stream through shared memory with asynchronous copies; Q stays there. Blocks are laid out
-from the diagonal in descending key order as in the Triton kernel (a row's bias is one ascending run).
+16-byte aligned layout and keys / values whose rows are 16-byte aligned (the copies move 16 bytes at a time). Keys,
+values and the bias tile of each block stream through shared memory with asynchronous copies; Q stays there. Blocks
+are laid out from the diagonal in descending key order as in the Triton kernel (a row's bias is one ascending run).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import async_copy
 
-from .attention_kernel_tiles import LOG2E, kernel_inputs
-from .attention_prefill_kernel import reads_past_rows_in_bounds
+from .attention_kernel_tiles import LOG2E
+from .attention_prefill_kernel import kernel_operands, reads_past_rows_in_bounds
 
 HEAD_DIM = 128
 # query rows, keys per block, warps, copy stages (benchmarks/gluon_prefill_check.py measures the alternatives)
@@ -252,18 +252,10 @@ def sliding_prefill_attention(query, key, value, relative_logits, sinks, query_p
     block_m, block_n, warps, stages = tiles
     batch, heads, queries, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
-    query, key, value, relative_logits, padding, _ = kernel_inputs(query, key, value, relative_logits, key_padding)
-    output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=query.device)
-    bias_origin = relative_logits.as_strided((1,), (1,), relative_logits.storage_offset() + 1)
+    output, _, operands = kernel_operands(query, key, value, relative_logits, sinks, query_positions, key_positions,
+                                          key_padding)
     _sliding_prefill_kernel[(triton.cdiv(queries, block_m), batch * heads)](
-        query, key, value, bias_origin, sinks, query_positions.contiguous(), key_positions.contiguous(), padding,
-        output,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        relative_logits.stride(0), relative_logits.stride(1), relative_logits.stride(2) + 1,
-        sinks.stride(0), sinks.stride(1), sinks.stride(2), padding.stride(0),
-        output.stride(0), output.stride(1), output.stride(2),
-        queries, key_length, sliding_window, scaling,
+        *operands, queries, key_length, sliding_window, scaling,
         HEADS=heads, GROUPS=heads // kv_heads, DIM=head_dim, BM=block_m, BN=block_n, STAGES=stages, WARPS=warps,
         HAS_PADDING=key_padding is not None, num_warps=warps,
     )  # fmt: skip

@@ -229,26 +229,36 @@ def prefill_attention(
 prefill_attention.register_fake(attention_output_like)
 
 
-def triton_prefill_attention(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding,
-                             sliding_window, scaling) -> torch.Tensor:
-    """`prefill_attention` through `_prefill_kernel`, for every layer kind, dtype and GPU Triton supports."""
+def kernel_operands(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding):
+    """(output, fp32 MMAs?, the arguments both prefill kernels begin with: pointers, then strides). The relative
+    logits are passed one element past their start with a row pitch of their query stride + 1 (see _prefill_kernel):
+    with the layout of `Inkling2RelativeLogits` that pointer and the pitch are 16-byte aligned."""
     batch, heads, queries, head_dim = query.shape
-    kv_heads, key_length = key.shape[1], key.shape[2]
     query, key, value, relative_logits, padding, fp32 = kernel_inputs(query, key, value, relative_logits, key_padding)
     output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=query.device)
-    # the kernel takes the relative logits one element past their start (see _prefill_kernel): with the layout of
-    # `Inkling2RelativeLogits` that pointer and the row pitch are 16-byte aligned
     bias_origin = relative_logits.as_strided((1,), (1,), relative_logits.storage_offset() + 1)
-    block_m, block_n, warps, stages = TILES["full" if sliding_window is None else "sliding"]
-    _prefill_kernel[(triton.cdiv(queries, block_m), batch * heads)](
-        query, key, value, bias_origin, sinks, query_positions.contiguous(), key_positions.contiguous(),
-        padding, output,
+    operands = (
+        query, key, value, bias_origin, sinks, query_positions.contiguous(), key_positions.contiguous(), padding,
+        output,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         relative_logits.stride(0), relative_logits.stride(1), relative_logits.stride(2) + 1,
         sinks.stride(0), sinks.stride(1), sinks.stride(2), padding.stride(0),
         output.stride(0), output.stride(1), output.stride(2),
-        queries, key_length, relative_logits.shape[-1], sliding_window or 0, scaling,
+    )  # fmt: skip
+    return output, fp32, operands
+
+
+def triton_prefill_attention(query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding,
+                             sliding_window, scaling) -> torch.Tensor:
+    """`prefill_attention` through `_prefill_kernel`, for every layer kind, dtype and GPU Triton supports."""
+    batch, heads, queries, head_dim = query.shape
+    kv_heads, key_length = key.shape[1], key.shape[2]
+    output, fp32, operands = kernel_operands(query, key, value, relative_logits, sinks, query_positions,
+                                             key_positions, key_padding)
+    block_m, block_n, warps, stages = TILES["full" if sliding_window is None else "sliding"]
+    _prefill_kernel[(triton.cdiv(queries, block_m), batch * heads)](
+        *operands, queries, key_length, relative_logits.shape[-1], sliding_window or 0, scaling,
         HEADS=heads, GROUPS=heads // kv_heads, DIM=head_dim, BM=block_m, BN=block_n,
         HAS_PADDING=key_padding is not None, HAS_WINDOW=sliding_window is not None,
         MASK_FAR=key_padding is not None or sliding_window is not None,

@@ -6,7 +6,8 @@ replay of a CUDA graph holding R calls with R different routings and inputs (so 
 from L2), divided by R. Bandwidth = bytes of the ACTIVE experts' weights and scales (each read once) /
 time. Next to it: `torch._grouped_mm` on BF16 weights with the same routings (same accounting with BF16
 bytes), and the measured device-to-device copy bandwidth (bytes read + written) as the ceiling.
-Also: a small sweep of decode tile shapes, and prefill (T = 2048, 8192) throughput in TFLOP/s. Alone:
+Also: a small sweep of decode tile shapes (for NVFP4 decode, whose default on Hopper is the Gluon register-GEMV
+path, the Triton kernels and other K splits next to it), and prefill (T = 2048, 8192) throughput in TFLOP/s. Alone:
 `--sweep-only` (a wider decode tile sweep), `--prefill-sweep` (prefill tile shapes at 8192 tokens next to
 `torch._grouped_mm`), `--profile` (device time of each kernel of a decode-size call).
 
@@ -18,6 +19,7 @@ Prints a table and writes `moe_kernels_bench.md` + `.json` under --out (default 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -360,7 +362,10 @@ def prefill_sweep(args):
 
 def sweep_configs(km, fmt, tokens):
     """Alternatives to the default decode shape (`pick_config`), measured next to it."""
-    base = km.pick_config(tokens * K, E, fmt)
+    base = km.pick_config(tokens * K, E, fmt, register_gemv=True)
+    if base.register_gemv:  # NVFP4 decode: the Triton kernels, and other splits of the register GEMVs
+        splits = [dataclasses.replace(base, split_k=s) for s in (1, 2, 3, 6) if s != base.split_k]
+        return [km.pick_config(tokens * K, E, fmt)] + splits
     if tokens == 1:
         return [km.KernelConfig(**{**base.__dict__, "split_k": s}) for s in (2, 4) if s != base.split_k]
     if tokens in (8, 64):

@@ -10,7 +10,8 @@
   interpreter's truncating bf16 casts.
 * GPU (`-m gpu`, needs CUDA): full Inkling-2-Small size (E=384, H=4608, I=2304, top-8) for T in
   (1, 8, 64, 2048, 8192) and all three formats against a dequantize-then-matmul oracle, determinism,
-  routing equality, CUDA-graph capture.
+  routing equality, CUDA-graph capture; the NVFP4 register-GEMV kernels (the decode default on Hopper)
+  against the Triton kernels and the oracle, with K splits, dropped ids and small shapes.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def test_nvfp4_outer_multiplier_shapes(km, outer_shape):
 
 
 @pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (13, 8, 3, 16), (200, 16, 4, 64),
-                                                               (37, 384, 8, 16)])
+                                                               (37, 384, 8, 16), (29, 16, 4, 8)])
 def test_route_reference_properties(km, tokens, num_experts, top_k, block_m):
     gen = torch.Generator().manual_seed(3)
     ids, _ = realistic_routing(tokens, num_experts, top_k, gen)
@@ -333,6 +334,16 @@ def test_routing_is_graph_sized(km):
         assert getattr(a, f).shape == getattr(b, f).shape, f
 
 
+def test_pick_config_sends_only_nvfp4_decode_to_the_register_kernels(km):
+    assert km.pick_config(8, 384, "nvfp4", register_gemv=True).register_gemv
+    assert km.pick_config(8, 384, "nvfp4", register_gemv=True).block_m == 8  # one routing tile per program
+    assert not km.pick_config(8, 384, "nvfp4").register_gemv  # device or shapes do not allow them
+    assert not km.pick_config(8, 384, "mxfp8", register_gemv=True).register_gemv
+    assert km.pick_config(64 * 8, 384, "nvfp4", register_gemv=True).register_gemv
+    assert not km.pick_config(256 * 8, 384, "nvfp4", register_gemv=True).register_gemv  # ~10 slots per expert
+    assert not km.pick_config(8192 * 8, 384, "nvfp4", register_gemv=True).register_gemv  # prefill
+
+
 # ------------------------------------------------------------------------------------------ interpreter
 
 _INTERPRETER_SCRIPT = textwrap.dedent(
@@ -350,7 +361,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     gen = torch.Generator().manual_seed(11)
     # pairwise ranks (<= 2048 slots; the last with more programs than experts), then histograms (> 2048)
     for tokens, experts, top_k, bm in [(3, 8, 2, 16), (40, 16, 8, 16), (77, 384, 8, 16), (300, 16, 2, 64),
-                                       (1000, 8, 2, 16), (300, 16, 8, 16)]:
+                                       (1000, 8, 2, 16), (300, 16, 8, 16), (40, 384, 8, 8)]:
         ids, _ = t.realistic_routing(tokens, experts, top_k, gen)
         ids[0, 0] = -1
         a, b = km.route_reference(ids, experts, bm), ops._route_triton(ids, experts, bm)
@@ -507,3 +518,57 @@ def test_gpu_split_k_matches_oracle(km, fmt, split):
     out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=cfg)
     assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=cfg))
     assert rel_err(out, gpu_oracle(x, ids, rw, w, fmt)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,split", [(1, 1), (1, 3), (8, 1), (8, 2), (64, 1), (96, 1)])
+def test_gpu_register_gemv_matches_triton_and_oracle(km, tokens, split):
+    """The fast NVFP4 decode path (Gluon, weights straight into MMA registers) against the Triton kernels
+    (the reference GPU path) and the dequantize-then-matmul oracle, on fresh random data at full size."""
+    if not km.pick_config(8, 384, "nvfp4", register_gemv=True).register_gemv:
+        pytest.fail("pick_config no longer routes NVFP4 decode to the register kernels")
+    w = full_size_weights("nvfp4")
+    gen = torch.Generator(device="cuda").manual_seed(700 + tokens + split)
+    x = torch.randn(tokens, FULL["hidden"], generator=gen, device="cuda").bfloat16()
+    ids, rw = realistic_routing(tokens, FULL["num_experts"], FULL["top_k"], gen, device="cuda")
+    ids[0, -1] = -1  # a dropped slot
+    register = km.KernelConfig(**{**km.pick_config(tokens * 8, 384, "nvfp4", register_gemv=True).__dict__,
+                                  "split_k": split})
+    assert register.register_gemv
+    out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w), config=register)
+    assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w), config=register))
+    triton = km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w),
+                            config=km.pick_config(tokens * 8, 384, "nvfp4"))
+    oracle = gpu_oracle(x, ids.clamp(min=0), rw * (ids >= 0), w, "nvfp4")
+    print(f"[register T={tokens} split={split}] vs oracle {rel_err(out, oracle):.2e}, "
+          f"Triton vs oracle {rel_err(triton, oracle):.2e}")
+    assert rel_err(out, oracle) <= 1e-2
+    assert rel_err(out, triton) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_register_gemv_small_shapes_match_reference(km):
+    """A small model (16 experts, H=512, I=256; every tile partly filled) through the default decode path
+    against the PyTorch reference on CPU."""
+    gen = torch.Generator().manual_seed(5)
+    w = random_byte_weights("nvfp4", 16, 512, 256, gen)
+    x = torch.randn(5, 512, generator=gen)
+    x[1] *= 2.0**20  # beyond f16 range: the token is rescaled on its way in and back in the epilogue
+    x = x.bfloat16()
+    ids, rw = realistic_routing(5, 16, 3, gen)
+    ids[2, 1] = -1
+    expected = km.moe_forward_reference(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w))
+    on_gpu = {k: v.cuda() for k, v in w.items()}
+    assert km.pick_config(15, 16, "nvfp4", register_gemv=True).register_gemv
+    out = km.moe_forward(x.cuda(), ids.cuda(), rw.cuda(), on_gpu["w13"], on_gpu["w2"], "nvfp4", **kwargs_of(on_gpu))
+    assert rel_err(out.cpu(), expected) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_register_gemv_refuses_other_formats(km):
+    w = {k: v.cuda() for k, v in random_byte_weights("mxfp8", 4, 512, 256, torch.Generator().manual_seed(0)).items()}
+    x = torch.randn(2, 512, device="cuda").bfloat16()
+    ids, rw = realistic_routing(2, 4, 2, torch.Generator().manual_seed(1))
+    register = km.pick_config(4, 4, "nvfp4", register_gemv=True)
+    with pytest.raises(ValueError, match="register_gemv needs NVFP4"):
+        km.moe_forward(x, ids.cuda(), rw.cuda(), w["w13"], w["w2"], "mxfp8", **kwargs_of(w), config=register)

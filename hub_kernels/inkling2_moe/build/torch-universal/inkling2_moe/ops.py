@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -29,6 +30,30 @@ def _kernels():
     return triton_kernels
 
 
+def _register_kernels():
+    from . import register_kernels  # lazy: needs Triton's Gluon
+
+    return register_kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _register_gemv_supported(device: torch.device) -> bool:
+    """The Gluon register-GEMV kernels need mma.sync with E4M3 conversions (compute capability >= 8.9, CUDA)
+    and Triton's Gluon; there is no interpreter for them."""
+    if _interpreting() or torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        _register_kernels()
+    except ImportError:
+        return False
+    return True
+
+
+def _register_gemv_usable(x: torch.Tensor, fmt: str, hidden: int, inter: int) -> bool:
+    """Formats and shapes the register-GEMV kernels take: NVFP4 with H and I in whole 256-input steps."""
+    return fmt == "nvfp4" and hidden % 256 == 0 and inter % 256 == 0 and _register_gemv_supported(x.device)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -36,7 +61,9 @@ def _interpreting() -> bool:
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile shape of the two expert GEMMs. ``block_m`` is also the tile height of the routing; ``split_k``
-    splits the reduction over that many programs (partial sums added in a fixed order afterwards)."""
+    splits the reduction over that many programs (partial sums added in a fixed order afterwards).
+    ``register_gemv``: NVFP4 decode through the Gluon kernels of `register_kernels`, whose shape is fixed
+    (`REGISTER_GEMV`: 8 slots x 64 weight rows per program, 256-input steps); only ``split_k`` is read."""
 
     block_m: int
     gate_up_n: int
@@ -45,10 +72,19 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    register_gemv: bool = False
 
 
-def pick_config(num_slots: int, num_experts: int, fmt: str) -> KernelConfig:
+REGISTER_GEMV = KernelConfig(8, 64, 64, 256, 4, 1, register_gemv=True)
+
+
+def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool = False) -> KernelConfig:
     """Shape from sizes only (never from the data), so the choice is graph-safe.
+
+    ``register_gemv`` (the device and shapes allow `register_kernels`): NVFP4 decode takes those kernels
+    while an expert's slots mostly fit one 8-slot tile (at most 2 slots per expert on average; beyond, each
+    further tile reads the expert's weights again); on an H200 they reach 65% of the copy bandwidth at
+    T = 8 and 64 against 51-52% for the Triton kernels (docs/benchmarks.md).
 
     Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 bytes per weight row per K
     step; quantized formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and
@@ -57,6 +93,8 @@ def pick_config(num_slots: int, num_experts: int, fmt: str) -> KernelConfig:
     rows per expert are the fastest of the 8192-token sweep in docs/benchmarks.md.
     """
     per_expert = num_slots / max(num_experts, 1)
+    if register_gemv and fmt == "nvfp4" and per_expert <= 2:
+        return REGISTER_GEMV
     if per_expert <= 8:
         if fmt == "bf16":
             return KernelConfig(16, 32, 32, 64, 4, 4)
@@ -120,8 +158,8 @@ def route(expert_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Rout
     On CUDA this is two launches (<= 2048 slots) or three, with grids fixed by the slot count: no host
     synchronization, CUDA-graph capturable. Elsewhere it is :func:`route_reference`.
     """
-    if block_m not in (16, 32, 64, 128):
-        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+    if block_m not in (8, 16, 32, 64, 128):
+        raise ValueError(f"block_m must be 8, 16, 32, 64 or 128, got {block_m}")
     if expert_ids.is_cuda:
         if expert_ids.dim() != 2:
             raise ValueError(f"expert_ids must be [T, top_k], got shape {tuple(expert_ids.shape)}")
@@ -135,6 +173,11 @@ def _split_k(k_dim: int, wanted: int) -> int:
     while split > 1 and k_dim % (split * 32):
         split //= 2
     return split
+
+
+def _steps_split(steps: int, wanted: int) -> int:
+    """Largest split <= wanted that divides the register kernels' 256-input steps evenly."""
+    return max(split for split in range(1, wanted + 1) if steps % split == 0)
 
 
 def _block_k(k_dim: int, wanted: int) -> int:
@@ -171,7 +214,11 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     if x.shape != (t, h):
         raise ValueError(f"x must be [{t}, {h}], got {tuple(x.shape)}")
     s = t * top_k
-    cfg = config or pick_config(s, num_experts, fmt)
+    register_gemv = _register_gemv_usable(x, fmt, h, inter)
+    cfg = config or pick_config(s, num_experts, fmt, register_gemv)
+    if cfg.register_gemv and not register_gemv:
+        raise ValueError("register_gemv needs NVFP4 experts with H and I multiples of 256 on a CUDA GPU of compute "
+                         "capability >= 8.9 and a Triton with Gluon; leave config=None to let pick_config choose")
     if routing is None:
         routing = _route_triton(expert_ids, num_experts, cfg.block_m)
     elif routing.block_m != cfg.block_m:
@@ -211,34 +258,43 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     else:
         x_in, x_scale = x, rw  # x_scale unused
         act = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    split_gu = _split_k(h, cfg.split_k)
-    split_dn = _split_k(inter, cfg.split_k)
-    bk1 = _block_k(h // split_gu, cfg.block_k)
-    bk2 = _block_k(inter // split_dn, cfg.block_k)
+    n_tiles = routing.tile_expert.numel()
+    tiles = (routing.sorted_slots, routing.tile_expert, routing.tile_start, routing.expert_offsets)
+    if cfg.register_gemv:
+        rk = _register_kernels()
+        split_gu, split_dn = (_steps_split(k // (2 * rk.STEP_BYTES.value), cfg.split_k) for k in (h, inter))
+    else:
+        split_gu, split_dn = _split_k(h, cfg.split_k), _split_k(inter, cfg.split_k)
     part = torch.empty(split_gu if split_gu > 1 else 0, s, 2 * inter, dtype=torch.float32, device=dev)
     y = torch.empty(split_dn, s, h, dtype=torch.float32, device=dev)
-    n_tiles = routing.tile_expert.numel()
-    dot_fp32 = _interpreting()
-    k._gate_up_kernel[(n_tiles, _cdiv(inter, cfg.gate_up_n), split_gu)](
-        x_in, x_in.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_start,
-        routing.expert_offsets, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1), o13,
-        x_scale, act, act.stride(0), part if split_gu > 1 else y, s, h, inter, float(gate_cap), float(up_cap),
-        TOPK=top_k, FMT=code, BM=cfg.block_m, BN=cfg.gate_up_n, BK=bk1, SPLIT_K=split_gu, DOT_FP32=dot_fp32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split_gu > 1:
+    if cfg.register_gemv:
+        rk._gate_up_kernel[(n_tiles, inter // 32, split_gu)](
+            x_in, *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1), o13, x_scale,
+            act, part if split_gu > 1 else y, s, h, inter, float(gate_cap), float(up_cap), TOPK=top_k,
+            SPLIT_K=split_gu, num_warps=rk.WARPS)
+    else:
+        k._gate_up_kernel[(n_tiles, _cdiv(inter, cfg.gate_up_n), split_gu)](
+            x_in, x_in.stride(0), *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1),
+            o13, x_scale, act, act.stride(0), part if split_gu > 1 else y, s, h, inter, float(gate_cap),
+            float(up_cap), TOPK=top_k, FMT=code, BM=cfg.block_m, BN=cfg.gate_up_n,
+            BK=_block_k(h // split_gu, cfg.block_k), SPLIT_K=split_gu, DOT_FP32=_interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if part.numel():
         k._swiglu_kernel[(_cdiv(s, 16), _cdiv(inter, 128))](
             part, routing.expert_offsets, act, act.stride(0), s, num_experts, inter, float(gate_cap),
             float(up_cap), FMT=code, SPLIT_K=split_gu, BR=16, BC=128, num_warps=4,
         )
-    k._down_kernel[(n_tiles, _cdiv(h, cfg.down_n), split_dn)](
-        act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_start,
-        routing.expert_offsets, rw,
-        w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2,
-        y, s, h, inter,
-        FMT=code, BM=cfg.block_m, BN=cfg.down_n, BK=bk2, SPLIT_K=split_dn, DOT_FP32=dot_fp32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.register_gemv:
+        rk._down_kernel[(n_tiles, h // rk.ROWS.value, split_dn)](
+            act, *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2, y, s, h, inter,
+            num_warps=rk.WARPS)
+    else:
+        k._down_kernel[(n_tiles, _cdiv(h, cfg.down_n), split_dn)](
+            act, act.stride(0), *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2,
+            y, s, h, inter, FMT=code, BM=cfg.block_m, BN=cfg.down_n, BK=_block_k(inter // split_dn, cfg.block_k),
+            SPLIT_K=split_dn, DOT_FP32=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     block = min(1024, _next_pow2(h))
     k._combine_kernel[(t, _cdiv(h, block))](y, ids, out, out.stride(0), s, h, num_experts, TOPK=top_k,
                                                   SPLIT_K=split_dn, BLOCK=block, num_warps=4)

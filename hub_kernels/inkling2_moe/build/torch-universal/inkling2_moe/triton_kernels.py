@@ -348,10 +348,15 @@ def _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, tile, BM: tl.conste
 
 
 @triton.jit
+def _softcapped_swiglu(gate, up, gate_cap, up_cap):
+    """Softcapped SwiGLU in fp32 (the sigmoid sees the raw gate), rounded to bf16 like the reference. Also
+    called from the Gluon kernels of register_kernels."""
+    return (_softcap(gate, gate_cap) * (1.0 / (1.0 + tl.exp(-gate))) * _softcap(up, up_cap)).to(tl.bfloat16)
+
+
+@triton.jit
 def _swiglu_store(acc_g, acc_u, act_ptr, stride_at, rows, cols, smask, I, gate_cap, up_cap, FMT: tl.constexpr):
-    """Softcapped SwiGLU in fp32 (the sigmoid sees the raw gate), rounded to bf16 like the reference."""
-    sig = 1.0 / (1.0 + tl.exp(-acc_g))
-    act = (_softcap(acc_g, gate_cap) * sig * _softcap(acc_u, up_cap)).to(tl.bfloat16)
+    act = _softcapped_swiglu(acc_g, acc_u, gate_cap, up_cap)
     if FMT == 2:
         # |act| <= cap_g * cap_u = 100, so the bf16 value is exact in f16; stored de-interleaved for the
         # down projection's nibble halves.

@@ -1,0 +1,245 @@
+"""NVFP4 expert GEMMs for decode sizes (at most 8 slots per expert and tile), in Gluon: the weight bytes go
+from global memory straight into the registers of an mma.sync A operand, with no shared-memory round trip.
+Imported lazily (CUDA, compute capability >= 8.9, Triton with Gluon); `ops.moe_forward` uses the Triton
+kernels elsewhere.
+
+Why: at decode sizes the expert GEMMs stream weights, and the Triton kernels spend about 3.7 instructions per
+NVFP4 weight (docs/benchmarks.md): the dequantized tile goes through shared memory into the MMA's operand
+layout, and every nibble through an E4M3 conversion. Here:
+
+* a program owns 64 weight rows (4 warps of 16) and 8 slots; each 256-input step, lane 4 g + t of a warp
+  loads bytes [16 t, 16 t + 16) and [64 + 16 t, 80 + 16 t) of the step from rows g and g + 8 of its warp's
+  16 (the checkpoint's own layout, `[N, K/2]`, low nibble = even input): exactly the rows, and the number of
+  values, of its A-operand fragments. Contiguous bytes per row and step matter most (whole-MoE calls at
+  T = 8 / 64 on an H200, before the SwiGLU moved in: rows x bytes per step 64 x 64: 48-51% of the copy
+  bandwidth, 256 x 64: 46-48%, 128 x 128: 57-61%, 64 x 128: 64-69%; docs/benchmarks.md);
+* a dot product does not care in which order its inputs come, as long as both operands agree: the weight
+  values are relabeled to the operand's input positions by a reshape/permute that moves no data
+  (`WEIGHTS_ORDER`), and the activations get the same relabeling (`ACTIVATIONS_ORDER`); every relabeling is
+  checked at compile time (`convert_layout(..., assert_trivial=True)`);
+* a 32-bit word holds nibbles n0..n7; nibbles i and i + 4 need the same shift to land as f16 bits
+  s.00eem.000000000 (the E2M1 value times 2**-14, subnormals included), so 8 values take 4 pairs of shifts and
+  masks and no conversion instruction (`_DECODE`). A pair holds bytes (0, 2) or (1, 3) of the word, so decoded
+  position j holds byte j with bits 0 and 1 swapped; the activations are relabeled the same way;
+* the low nibbles meet the even inputs and the high nibbles the odd ones, so activations come de-interleaved
+  (`[K/2 even | K/2 odd]` f16, as the Triton NVFP4 path writes them);
+* the E4M3 block scale multiplies the decoded f16 pairs (exact: every product is a multiple of 2**-24 below 2**-2).
+
+The gate/up kernel applies the softcapped SwiGLU itself (each 16-row block holds 8 gate rows and their 8 up rows,
+so both values of a feature meet in one thread) or, with the reduction split, writes fp32 gate and up sums per
+K slice for the Triton `_swiglu_kernel`; the down kernel writes the routing-weighted rows per K slice for the
+Triton `_combine_kernel`. Bitwise reproducible, no atomics; grids fixed by the sizes (CUDA-graph capturable).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .triton_kernels import _softcapped_swiglu
+
+WARPS = 4
+ROWS = gl.constexpr(64)  # weight rows per program
+STEP_BYTES = gl.constexpr(128)  # bytes of a row per step (256 inputs)
+DECODE_SCALE = gl.constexpr(2.0**14)  # decoded values are the E2M1 values times 2**-14
+
+# A step's bytes [64 rows, 128]: registers 16 consecutive bytes, row + 8, byte + 64; lane 4 g + t: byte 16 t,
+# row g; warps: rows + 16, + 32.
+W_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[ROWS.value, STEP_BYTES.value]))
+# Its block scales [64 rows, 16 blocks of 16 inputs (8 bytes)]: each thread those of its bytes.
+S_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0], [0, 8]],
+    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[ROWS.value, STEP_BYTES.value // 8]))
+# One half (even or odd inputs) of a step's activations [8 slots, 128]: lane 4 g + t holds slot g's values of
+# the bytes lane t loads; every warp holds all of them.
+X_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0], [0, 0]], block_bases=[],
+    shape=[8, STEP_BYTES.value]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
+A_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+B_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+
+# Decoded position j of a step (bits: j6 chunk, j5 j4 = t, j3 j2 word, j1 j0 byte of the word) -> the operand's
+# input j0 + 2 j4 + 4 j5 + 8 j1 + 16 j2 + 32 j3 + 64 j6 (t on the operand's lane bits, the rest on registers),
+# as a permutation of [rows, j6, j5, j4, j3, j2, j1, j0]:
+WEIGHTS_ORDER = gl.constexpr((0, 1, 4, 5, 6, 2, 3, 7))
+# The activations [slots, j6..j0] go to [inputs, slots] the same way after swapping j1 and j0 (see `_DECODE`).
+ACTIVATIONS_ORDER = gl.constexpr((1, 4, 5, 7, 2, 3, 6, 0))
+BYTE_BITS = gl.constexpr(7)
+
+# 4 bytes b0..b3 (nibbles n0..n7, n0 = low nibble of b0) -> f16x2 (n0, n4), (n2, n6) [low nibbles of bytes
+# (0, 2), (1, 3)] and (n1, n5), (n3, n7) [their high nibbles]: sign to bit 15, magnitude to bits 9-11.
+_DECODE = gl.constexpr("""{
+.reg .b32 m, s;
+shl.b32 m, $4, 9;
+shl.b32 s, $4, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 $0, m, s;
+shl.b32 m, $4, 1;
+shl.b32 s, $4, 4;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 $1, m, s;
+shl.b32 m, $4, 5;
+shl.b32 s, $4, 8;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 $2, m, s;
+shr.b32 m, $4, 3;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, $4, 0x80008000;
+or.b32 $3, m, s;
+}""")
+
+
+# fmt: off
+@gluon.jit
+def _decode(q):
+    """A step's bytes [64, 128] -> (low nibbles, high nibbles) as f16 times 2**-14, position j holding byte j
+    with bits 0 and 1 swapped."""
+    return gl.inline_asm_elementwise(asm=_DECODE, constraints="=r,=r,=r,=r,r", args=[q],
+                                     dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+
+@gluon.jit
+def _weights_operand(values):
+    v = gl.permute(gl.reshape(values, [ROWS] + [2] * BYTE_BITS), WEIGHTS_ORDER.value)
+    return gl.convert_layout(gl.reshape(v, [ROWS, STEP_BYTES]), A_OPERAND, assert_trivial=True)
+
+
+@gluon.jit
+def _activations_operand(x):
+    x = gl.permute(gl.reshape(x, [8] + [2] * BYTE_BITS), ACTIVATIONS_ORDER.value)
+    return gl.convert_layout(gl.reshape(x, [STEP_BYTES, 8]), B_OPERAND, assert_trivial=True)
+
+
+@gluon.jit
+def _scaled(values, scales):
+    """values [64, 128] times the block scale of their 8 consecutive positions (one block of 16 inputs)."""
+    v3 = gl.reshape(values, [ROWS, STEP_BYTES // 8, 8])
+    s = gl.convert_layout(scales, gl.SliceLayout(2, v3.type.layout), assert_trivial=True)
+    return gl.reshape(v3 * gl.expand_dims(s, 2), [ROWS, STEP_BYTES])
+
+
+@gluon.jit
+def _step(q, s, x_even, x_odd, acc):
+    scales = s.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    low, high = _decode(q)
+    acc = mma_v2(_weights_operand(_scaled(low, scales)), _activations_operand(x_even), acc)
+    return mma_v2(_weights_operand(_scaled(high, scales)), _activations_operand(x_odd), acc)
+
+
+@gluon.jit
+def _load_step(w_ptrs, s_ptrs, x_ptrs, half_k, step):
+    offset = step * STEP_BYTES
+    return (gl.load(w_ptrs + offset), gl.load(s_ptrs + offset // 8), gl.load(x_ptrs + offset),
+            gl.load(x_ptrs + (half_k + offset)))
+
+
+@gluon.jit
+def _rows_by_slots(w_rows, s_rows, x_rows, half_k, first, steps):
+    """[64 weight rows, 8 slots] fp32 (times 2**-14) over the 256-input steps [first, first + steps).
+    w_rows / s_rows: [64] pointers to the rows' packed bytes / block scales (slices of W_LAYOUT / S_LAYOUT);
+    x_rows: [8] pointers to the slots' de-interleaved f16 rows (odd inputs at + half_k)."""
+    w_ptrs = gl.expand_dims(w_rows, 1) + gl.expand_dims(gl.arange(0, STEP_BYTES, gl.SliceLayout(0, W_LAYOUT)), 0)
+    s_ptrs = gl.expand_dims(s_rows, 1) + gl.expand_dims(gl.arange(0, STEP_BYTES // 8, gl.SliceLayout(0, S_LAYOUT)), 0)
+    x_ptrs = gl.expand_dims(x_rows, 1) + gl.expand_dims(gl.arange(0, STEP_BYTES, gl.SliceLayout(0, X_LAYOUT)), 0)
+    acc = gl.zeros([ROWS, 8], gl.float32, layout=MMA)
+    for step in range(first, first + steps):
+        q, s, x_even, x_odd = _load_step(w_ptrs, s_ptrs, x_ptrs, half_k, step)
+        acc = _step(q, s, x_even, x_odd, acc)
+    return acc
+
+
+@gluon.jit
+def _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr):
+    """This program's expert (-1: no tile), its first sorted position and its expert's end."""
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    return e, gl.load(tile_start_ptr + tile), gl.load(offsets_ptr + gl.maximum(e, 0) + 1)
+
+
+@gluon.jit
+def _positions(start, end, layout: gl.constexpr):
+    """The tile's 8 sorted positions (those past the expert's end replaced by the first, so loads stay in
+    bounds) and which of them are real."""
+    positions = start + gl.arange(0, 8, layout=layout)
+    real = positions < end
+    return gl.where(real, positions, start), real
+
+
+@gluon.jit
+def _gate_up_rows(c, I, layout: gl.constexpr):
+    """w13 rows of program c: each 16-row block of the MMA holds 8 gate rows (g) and their 8 up rows (g + 8),
+    so a thread's accumulator holds the gate and the up value of the same features (register bit row + 8)."""
+    r = gl.arange(0, ROWS, layout=layout)
+    return 32 * c + 8 * (r // 16) + r % 8 + (r // 8 % 2) * I
+
+
+@gluon.jit
+def _gate_up_kernel(x_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, w_ptr, stride_we, stride_wn,
+                    s_ptr, stride_se, stride_sn, outer_ptr, xs_ptr, act_ptr, part_ptr, num_slots, H, I, gate_cap,
+                    up_cap, TOPK: gl.constexpr, SPLIT_K: gl.constexpr):
+    """grid (tiles, I / 32, SPLIT_K): features [32 c, 32 c + 32) of this tile's slots. SPLIT_K == 1: the
+    activation act[position, feature] (f16, de-interleaved like x); else the gate and up sums of one K slice
+    to part[slice, position, w13 row] for `_swiglu_kernel`. x: [T, H] de-interleaved f16."""
+    e, start, end = _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr)
+    if e >= 0:
+        c = gl.program_id(1)
+        steps = H // (2 * STEP_BYTES * SPLIT_K)
+        e64 = e.to(gl.int64)
+        positions, _ = _positions(start, end, gl.SliceLayout(1, X_LAYOUT))
+        tokens = gl.load(sorted_ptr + positions) // TOPK
+        acc = _rows_by_slots(w_ptr + e64 * stride_we + _gate_up_rows(c, I, gl.SliceLayout(1, W_LAYOUT)) * stride_wn,
+                             s_ptr + e64 * stride_se + _gate_up_rows(c, I, gl.SliceLayout(1, S_LAYOUT)) * stride_sn,
+                             x_ptr + tokens.to(gl.int64) * H, H // 2, gl.program_id(2) * steps, steps)
+        out_positions, real = _positions(start, end, gl.SliceLayout(0, MMA))
+        x_scale = gl.expand_dims(gl.load(xs_ptr + gl.load(sorted_ptr + out_positions) // TOPK) * DECODE_SCALE, 0)
+        outer_gate, outer_up = gl.load(outer_ptr + 2 * e), gl.load(outer_ptr + 2 * e + 1)
+        if SPLIT_K == 1:
+            # [warp, gate/up, g, slot] -> gate and up [32 features, 8 slots], each thread both of its features
+            gate, up = gl.split(gl.permute(gl.reshape(acc * x_scale, [4, 2, 8, 8]), (0, 2, 3, 1)))
+            act = _softcapped_swiglu(gl.reshape(gate, [32, 8]) * outer_gate, gl.reshape(up, [32, 8]) * outer_up,
+                                     gate_cap, up_cap)
+            features = 32 * c + gl.arange(0, 32, layout=gl.SliceLayout(1, act.type.layout))
+            act_positions, act_real = _positions(start, end, gl.SliceLayout(0, act.type.layout))
+            destination = (act_ptr + gl.expand_dims(act_positions.to(gl.int64) * I, 0)
+                           + gl.expand_dims((features % 2) * (I // 2) + features // 2, 1))
+            # |act| <= gate_cap * up_cap: the bf16 value is exact in f16 (the down projection's input)
+            gl.store(destination, act.to(gl.float32).to(gl.float16), mask=gl.expand_dims(act_real, 0))
+        else:
+            rows = _gate_up_rows(c, I, gl.SliceLayout(1, MMA))
+            outer = gl.where(rows < I, outer_gate, outer_up)
+            destination = (part_ptr + gl.program_id(2) * num_slots * 2 * I
+                           + gl.expand_dims(out_positions * (2 * I), 0) + gl.expand_dims(rows, 1))
+            gl.store(destination, acc * x_scale * gl.expand_dims(outer, 1), mask=gl.expand_dims(real, 0))
+
+
+@gluon.jit
+def _down_kernel(act_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, rw_ptr, w_ptr, stride_we,
+                 stride_wn, s_ptr, stride_se, stride_sn, outer_ptr, y_ptr, num_slots, H, I):
+    """grid (tiles, H / 64, K slices): y[slice, slot, rows of block c] = routing weight * outer * act @ w2^T;
+    act: [slots in sorted order, I] de-interleaved f16."""
+    e, start, end = _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr)
+    if e >= 0:
+        positions, _ = _positions(start, end, gl.SliceLayout(1, X_LAYOUT))
+        c = gl.program_id(1)
+        steps = I // (2 * STEP_BYTES * gl.num_programs(2))
+        e64 = e.to(gl.int64)
+        rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, W_LAYOUT))
+        s_rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_LAYOUT))
+        acc = _rows_by_slots(w_ptr + e64 * stride_we + rows * stride_wn, s_ptr + e64 * stride_se + s_rows * stride_sn,
+                             act_ptr + positions.to(gl.int64) * I, I // 2, gl.program_id(2) * steps, steps)
+        out_positions, real = _positions(start, end, gl.SliceLayout(0, MMA))
+        slots = gl.load(sorted_ptr + out_positions)
+        weight = gl.load(rw_ptr + slots) * (gl.load(outer_ptr + e) * DECODE_SCALE)
+        out_rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+        destination = (y_ptr + gl.program_id(2) * num_slots * H + gl.expand_dims(slots.to(gl.int64) * H, 0)
+                       + gl.expand_dims(out_rows, 1))
+        gl.store(destination, acc * gl.expand_dims(weight, 0), mask=gl.expand_dims(real, 0))
+# fmt: on

@@ -86,9 +86,10 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
     further tile reads the expert's weights again); on an H200 they reach 65% of the copy bandwidth at
     T = 8 and 64 against 51-52% for the Triton kernels (docs/benchmarks.md).
 
-    Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 bytes per weight row per K
-    step; quantized formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and
-    fastest in the H200 sweep recorded in docs/benchmarks.md, where splitting K did not help at T=1).
+    Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 inputs per K step; quantized
+    formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and fastest in the H200
+    sweep recorded in docs/benchmarks.md, where splitting K did not help at T=1), BF16 32 / 64 (the fastest of
+    a sweep at T = 1 and 8 with 16 and 384 experts, docs/benchmarks.md).
     Prefill: large M tiles so that each dequantized weight tile feeds many rows; the shapes for more than 96
     rows per expert are the fastest of the 8192-token sweep in docs/benchmarks.md.
     """
@@ -97,7 +98,7 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
         return REGISTER_GEMV
     if per_expert <= 8:
         if fmt == "bf16":
-            return KernelConfig(16, 32, 32, 64, 4, 4)
+            return KernelConfig(16, 32, 64, 128, 4, 4)
         return KernelConfig(16, 64, 64, 128, 4, 3)
     k_prefill = {"bf16": 64, "mxfp8": 64, "nvfp4": 128}[fmt]
     if per_expert <= 96:

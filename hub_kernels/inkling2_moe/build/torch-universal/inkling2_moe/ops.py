@@ -83,8 +83,8 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
 
     ``register_gemv`` (the device and shapes allow `register_kernels`): NVFP4 decode takes those kernels
     while an expert's slots mostly fit one 8-slot tile (at most 2 slots per expert on average; beyond, each
-    further tile reads the expert's weights again); on an H200 they reach 65% of the copy bandwidth at
-    T = 8 and 64 against 51-52% for the Triton kernels (docs/benchmarks.md).
+    further tile reads the expert's weights again); on an H200 they reach 69% / 67% of the copy
+    bandwidth at T = 8 / 64 against 51% / 52% for the Triton kernels (docs/benchmarks.md).
 
     Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 inputs per K step; quantized
     formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and fastest in the H200
@@ -269,10 +269,10 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     part = torch.empty(split_gu if split_gu > 1 else 0, s, 2 * inter, dtype=torch.float32, device=dev)
     y = torch.empty(split_dn, s, h, dtype=torch.float32, device=dev)
     if cfg.register_gemv:
-        rk._gate_up_kernel[(n_tiles, inter // 32, split_gu)](
+        rk._gate_up_kernel[(n_tiles, inter // rk.FEATURES.value, split_gu)](
             x_in, *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1), o13, x_scale,
             act, part if split_gu > 1 else y, s, h, inter, float(gate_cap), float(up_cap), TOPK=top_k,
-            SPLIT_K=split_gu, num_warps=rk.WARPS)
+            SPLIT_K=split_gu, num_warps=rk.WARPS.value)
     else:
         k._gate_up_kernel[(n_tiles, _cdiv(inter, cfg.gate_up_n), split_gu)](
             x_in, x_in.stride(0), *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1),
@@ -289,7 +289,7 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     if cfg.register_gemv:
         rk._down_kernel[(n_tiles, h // rk.ROWS.value, split_dn)](
             act, *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2, y, s, h, inter,
-            num_warps=rk.WARPS)
+            num_warps=rk.WARPS.value)
     else:
         k._down_kernel[(n_tiles, _cdiv(h, cfg.down_n), split_dn)](
             act, act.stride(0), *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2,

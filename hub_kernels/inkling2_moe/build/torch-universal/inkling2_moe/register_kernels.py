@@ -35,10 +35,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .triton_kernels import _softcapped_swiglu
+from .triton_kernels import _deinterleaved, _softcapped_swiglu
 
-WARPS = 4
+WARPS = gl.constexpr(4)
 ROWS = gl.constexpr(64)  # weight rows per program
+FEATURES = gl.constexpr(ROWS.value // 2)  # gate/up kernel: features per program (a gate row and an up row each)
 STEP_BYTES = gl.constexpr(128)  # bytes of a row per step (256 inputs)
 DECODE_SCALE = gl.constexpr(2.0**14)  # decoded values are the E2M1 values times 2**-14
 
@@ -59,7 +60,7 @@ X_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64]],
     lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0], [0, 0]], block_bases=[],
     shape=[8, STEP_BYTES.value]))
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS.value, 1], instr_shape=[16, 8]))
 A_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 B_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
 
@@ -178,14 +179,14 @@ def _gate_up_rows(c, I, layout: gl.constexpr):
     """w13 rows of program c: each 16-row block of the MMA holds 8 gate rows (g) and their 8 up rows (g + 8),
     so a thread's accumulator holds the gate and the up value of the same features (register bit row + 8)."""
     r = gl.arange(0, ROWS, layout=layout)
-    return 32 * c + 8 * (r // 16) + r % 8 + (r // 8 % 2) * I
+    return FEATURES * c + 8 * (r // 16) + r % 8 + (r // 8 % 2) * I
 
 
 @gluon.jit
 def _gate_up_kernel(x_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, w_ptr, stride_we, stride_wn,
                     s_ptr, stride_se, stride_sn, outer_ptr, xs_ptr, act_ptr, part_ptr, num_slots, H, I, gate_cap,
                     up_cap, TOPK: gl.constexpr, SPLIT_K: gl.constexpr):
-    """grid (tiles, I / 32, SPLIT_K): features [32 c, 32 c + 32) of this tile's slots. SPLIT_K == 1: the
+    """grid (tiles, I / FEATURES, SPLIT_K): features [32 c, 32 c + 32) of this tile's slots. SPLIT_K == 1: the
     activation act[position, feature] (f16, de-interleaved like x); else the gate and up sums of one K slice
     to part[slice, position, w13 row] for `_swiglu_kernel`. x: [T, H] de-interleaved f16."""
     e, start, end = _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr)
@@ -203,13 +204,13 @@ def _gate_up_kernel(x_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, offsets_
         outer_gate, outer_up = gl.load(outer_ptr + 2 * e), gl.load(outer_ptr + 2 * e + 1)
         if SPLIT_K == 1:
             # [warp, gate/up, g, slot] -> gate and up [32 features, 8 slots], each thread both of its features
-            gate, up = gl.split(gl.permute(gl.reshape(acc * x_scale, [4, 2, 8, 8]), (0, 2, 3, 1)))
-            act = _softcapped_swiglu(gl.reshape(gate, [32, 8]) * outer_gate, gl.reshape(up, [32, 8]) * outer_up,
-                                     gate_cap, up_cap)
-            features = 32 * c + gl.arange(0, 32, layout=gl.SliceLayout(1, act.type.layout))
+            gate, up = gl.split(gl.permute(gl.reshape(acc * x_scale, [WARPS, 2, 8, 8]), (0, 2, 3, 1)))
+            act = _softcapped_swiglu(gl.reshape(gate, [FEATURES, 8]) * outer_gate,
+                                     gl.reshape(up, [FEATURES, 8]) * outer_up, gate_cap, up_cap)
+            features = FEATURES * c + gl.arange(0, FEATURES, layout=gl.SliceLayout(1, act.type.layout))
             act_positions, act_real = _positions(start, end, gl.SliceLayout(0, act.type.layout))
             destination = (act_ptr + gl.expand_dims(act_positions.to(gl.int64) * I, 0)
-                           + gl.expand_dims((features % 2) * (I // 2) + features // 2, 1))
+                           + gl.expand_dims(_deinterleaved(features, I // 2), 1))
             # |act| <= gate_cap * up_cap: the bf16 value is exact in f16 (the down projection's input)
             gl.store(destination, act.to(gl.float32).to(gl.float16), mask=gl.expand_dims(act_real, 0))
         else:

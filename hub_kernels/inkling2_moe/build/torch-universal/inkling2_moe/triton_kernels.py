@@ -304,6 +304,13 @@ def _accumulate(a0, a1, w_rows, s_rows, k0, acc, FMT: tl.constexpr, BN: tl.const
 
 
 @triton.jit
+def _deinterleaved(k, half):
+    """Where input k of a row goes in the NVFP4 paths' f16 inputs (x and the activation): [even inputs | odd
+    inputs], so that the low and the high nibbles of a weight byte each meet a contiguous half."""
+    return (k % 2) * half + k // 2
+
+
+@triton.jit
 def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, BLOCK: tl.constexpr):
     """NVFP4 path input: row t of x times 2**-p_t as f16, de-interleaved ([even inputs | odd inputs]),
     with p_t = the smallest power that keeps the row under 2**15 (0 for ordinary activations, where
@@ -320,7 +327,7 @@ def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, BLOCK: tl.constexpr):
     for k0 in range(0, H, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + t * stride_xt + cols, mask=cols < H, other=0.0).to(tl.float32)
-        dst = x16_ptr + t * H + (cols % 2) * (H // 2) + cols // 2
+        dst = x16_ptr + t * H + _deinterleaved(cols, H // 2)
         tl.store(dst, (v * down).to(tl.float16), mask=cols < H)
     tl.store(xs_ptr + t, ((127 + p) << 23).to(tl.float32, bitcast=True))
 
@@ -360,7 +367,7 @@ def _swiglu_store(acc_g, acc_u, act_ptr, stride_at, rows, cols, smask, I, gate_c
     if FMT == 2:
         # |act| <= cap_g * cap_u = 100, so the bf16 value is exact in f16; stored de-interleaved for the
         # down projection's nibble halves.
-        dst = act_ptr + rows[:, None] * stride_at + ((cols % 2) * (I // 2) + cols // 2)[None, :]
+        dst = act_ptr + rows[:, None] * stride_at + _deinterleaved(cols, I // 2)[None, :]
         tl.store(dst, act.to(tl.float32).to(tl.float16), mask=smask)
     else:
         tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act, mask=smask)

@@ -363,7 +363,7 @@ def prefill_sweep(args):
 def sweep_configs(km, fmt, tokens):
     """Alternatives to the default decode shape (`pick_config`), measured next to it."""
     base = km.pick_config(tokens * K, E, fmt, register_gemv=True)
-    if base.register_gemv:  # NVFP4 decode: the Triton kernels, and other splits of the register GEMVs
+    if base.register_gemv:  # quantized decode: the Triton kernels, and other splits of the register GEMVs
         splits = [dataclasses.replace(base, split_k=s) for s in (1, 2, 3, 6) if s != base.split_k]
         return [km.pick_config(tokens * K, E, fmt)] + splits
     if tokens == 1:

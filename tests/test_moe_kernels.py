@@ -10,7 +10,7 @@
   interpreter's truncating bf16 casts.
 * GPU (`-m gpu`, needs CUDA): full Inkling-2-Small size (E=384, H=4608, I=2304, top-8) for T in
   (1, 8, 64, 2048, 8192) and all three formats against a dequantize-then-matmul oracle, determinism,
-  routing equality, CUDA-graph capture; the NVFP4 register-GEMV kernels (the decode default on Hopper)
+  routing equality, CUDA-graph capture; the NVFP4 / MXFP8 register-GEMV kernels (the decode default on Hopper)
   against the Triton kernels and the oracle, with K splits, dropped ids and small shapes.
 """
 
@@ -334,12 +334,15 @@ def test_routing_is_graph_sized(km):
         assert getattr(a, f).shape == getattr(b, f).shape, f
 
 
-def test_pick_config_sends_only_nvfp4_decode_to_the_register_kernels(km):
+def test_pick_config_sends_only_quantized_decode_to_the_register_kernels(km):
     assert km.pick_config(8, 384, "nvfp4", register_gemv=True).register_gemv
     assert km.pick_config(8, 384, "nvfp4", register_gemv=True).block_m == 8  # one routing tile per program
     assert not km.pick_config(8, 384, "nvfp4").register_gemv  # device or shapes do not allow them
-    assert not km.pick_config(8, 384, "mxfp8", register_gemv=True).register_gemv
+    assert km.pick_config(8, 384, "mxfp8", register_gemv=True).register_gemv
+    assert not km.pick_config(8, 384, "bf16", register_gemv=True).register_gemv
     assert km.pick_config(64 * 8, 384, "nvfp4", register_gemv=True).register_gemv
+    assert km.pick_config(64 * 8, 384, "mxfp8", register_gemv=True).register_gemv
+    assert not km.pick_config(96 * 8, 384, "mxfp8", register_gemv=True).register_gemv  # Triton is faster there
     assert not km.pick_config(256 * 8, 384, "nvfp4", register_gemv=True).register_gemv  # ~10 slots per expert
     assert not km.pick_config(8192 * 8, 384, "nvfp4", register_gemv=True).register_gemv  # prefill
 
@@ -521,52 +524,73 @@ def test_gpu_split_k_matches_oracle(km, fmt, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("tokens,split", [(1, 1), (1, 3), (8, 1), (8, 2), (64, 1), (96, 1)])
-def test_gpu_register_gemv_matches_triton_and_oracle(km, tokens, split):
-    """The fast NVFP4 decode path (Gluon, weights straight into MMA registers) against the Triton kernels
-    (the reference GPU path) and the dequantize-then-matmul oracle, on fresh random data at full size."""
-    w = full_size_weights("nvfp4")
+def test_gpu_register_gemv_matches_triton_and_oracle(km, fmt, tokens, split):
+    """The fast NVFP4 / MXFP8 decode path (Gluon, weights straight into MMA registers) against the Triton
+    kernels (the reference GPU path) and the dequantize-then-matmul oracle, on fresh random data at full size."""
+    w = full_size_weights(fmt)
     gen = torch.Generator(device="cuda").manual_seed(700 + tokens + split)
     x = torch.randn(tokens, FULL["hidden"], generator=gen, device="cuda").bfloat16()
     ids, rw = realistic_routing(tokens, FULL["num_experts"], FULL["top_k"], gen, device="cuda")
     ids[0, -1] = -1  # a dropped slot
-    register = km.KernelConfig(**{**km.pick_config(tokens * 8, 384, "nvfp4", register_gemv=True).__dict__,
-                                  "split_k": split})
+    # the register kernels' config (MXFP8 at T = 96 is past where pick_config takes them, and still valid)
+    register = km.KernelConfig(**{**km.pick_config(8, 384, fmt, register_gemv=True).__dict__, "split_k": split})
     assert register.register_gemv
-    out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w), config=register)
-    assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w), config=register))
-    triton = km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w),
-                            config=km.pick_config(tokens * 8, 384, "nvfp4"))
-    oracle = gpu_oracle(x, ids.clamp(min=0), rw * (ids >= 0), w, "nvfp4")
-    print(f"[register T={tokens} split={split}] vs oracle {rel_err(out, oracle):.2e}, "
+    out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=register)
+    assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=register))
+    triton = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w),
+                            config=km.pick_config(tokens * 8, 384, fmt))
+    oracle = gpu_oracle(x, ids.clamp(min=0), rw * (ids >= 0), w, fmt)
+    print(f"[register {fmt} T={tokens} split={split}] vs oracle {rel_err(out, oracle):.2e}, "
           f"Triton vs oracle {rel_err(triton, oracle):.2e}")
     assert rel_err(out, oracle) <= 1e-2
     assert rel_err(out, triton) <= 1e-2
 
 
 @pytest.mark.gpu
-def test_gpu_register_gemv_small_shapes_match_reference(km):
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_gpu_register_gemv_small_shapes_match_reference(km, fmt):
     """A small model (16 experts, H=512, I=256; every tile partly filled) through the default decode path
     against the PyTorch reference on CPU."""
     gen = torch.Generator().manual_seed(5)
-    w = random_byte_weights("nvfp4", 16, 512, 256, gen)
+    w = random_byte_weights(fmt, 16, 512, 256, gen)
     x = torch.randn(5, 512, generator=gen)
     x[1] *= 2.0**20  # beyond f16 range: the token is rescaled on its way in and back in the epilogue
     x = x.bfloat16()
     ids, rw = realistic_routing(5, 16, 3, gen)
     ids[2, 1] = -1
-    expected = km.moe_forward_reference(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w))
+    expected = km.moe_forward_reference(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w))
     on_gpu = {k: v.cuda() for k, v in w.items()}
-    assert km.pick_config(15, 16, "nvfp4", register_gemv=True).register_gemv
-    out = km.moe_forward(x.cuda(), ids.cuda(), rw.cuda(), on_gpu["w13"], on_gpu["w2"], "nvfp4", **kwargs_of(on_gpu))
+    assert km.pick_config(15, 16, fmt, register_gemv=True).register_gemv
+    out = km.moe_forward(x.cuda(), ids.cuda(), rw.cuda(), on_gpu["w13"], on_gpu["w2"], fmt, **kwargs_of(on_gpu))
+    assert rel_err(out.cpu(), expected) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_register_gemv_mxfp8_scales_outside_f16_range(km):
+    """E8M0 scales from 2**-27 to 2**13 and byte 0 (2**-127): the register kernels apply them in fp32 to each
+    32-input block's product, so scales far outside f16's range stay exact (against the CPU reference)."""
+    gen = torch.Generator().manual_seed(9)
+    w = random_byte_weights("mxfp8", 8, 512, 256, gen)
+    for name in ("w13_scale", "w2_scale"):
+        scale = torch.randint(100, 141, w[name].shape, generator=gen, dtype=torch.uint8)
+        w[name] = torch.where(torch.rand(scale.shape, generator=gen) < 0.05, 0, scale).to(torch.uint8)
+    x = torch.randn(4, 512, generator=gen).bfloat16()
+    ids, rw = realistic_routing(4, 8, 2, gen)
+    expected = km.moe_forward_reference(x, ids, rw, w["w13"], w["w2"], "mxfp8", **kwargs_of(w))
+    on_gpu = {k: v.cuda() for k, v in w.items()}
+    out = km.moe_forward(x.cuda(), ids.cuda(), rw.cuda(), on_gpu["w13"], on_gpu["w2"], "mxfp8", **kwargs_of(on_gpu),
+                         config=km.pick_config(8, 8, "mxfp8", register_gemv=True))
+    assert torch.isfinite(expected.float()).all()
     assert rel_err(out.cpu(), expected) <= 1e-2
 
 
 @pytest.mark.gpu
 def test_gpu_register_gemv_refuses_other_formats(km):
-    w = {k: v.cuda() for k, v in random_byte_weights("mxfp8", 4, 512, 256, torch.Generator().manual_seed(0)).items()}
+    w = {k: v.cuda() for k, v in random_byte_weights("bf16", 4, 512, 256, torch.Generator().manual_seed(0)).items()}
     x = torch.randn(2, 512, device="cuda").bfloat16()
     ids, rw = realistic_routing(2, 4, 2, torch.Generator().manual_seed(1))
     register = km.pick_config(4, 4, "nvfp4", register_gemv=True)
     with pytest.raises(ValueError, match="register_gemv needs NVFP4"):
-        km.moe_forward(x, ids.cuda(), rw.cuda(), w["w13"], w["w2"], "mxfp8", **kwargs_of(w), config=register)
+        km.moe_forward(x, ids.cuda(), rw.cuda(), w["w13"], w["w2"], "bf16", **kwargs_of(w), config=register)

@@ -49,9 +49,14 @@ def _register_gemv_supported(device: torch.device) -> bool:
     return True
 
 
+_REGISTER_STEP_INPUTS = {"nvfp4": 256, "mxfp8": 128}  # 128 bytes of a weight row per step
+_REGISTER_SLOTS_PER_EXPERT = {"nvfp4": 2.0, "mxfp8": 1.5}  # up to where they beat the Triton kernels (pick_config)
+
+
 def _register_gemv_usable(x: torch.Tensor, fmt: str, hidden: int, inter: int) -> bool:
-    """Formats and shapes the register-GEMV kernels take: NVFP4 with H and I in whole 256-input steps."""
-    return fmt == "nvfp4" and hidden % 256 == 0 and inter % 256 == 0 and _register_gemv_supported(x.device)
+    """Formats and shapes the register-GEMV kernels take: NVFP4 or MXFP8 with H and I in whole steps."""
+    step = _REGISTER_STEP_INPUTS.get(fmt)
+    return step is not None and hidden % step == 0 and inter % step == 0 and _register_gemv_supported(x.device)
 
 
 def _interpreting() -> bool:
@@ -62,8 +67,8 @@ def _interpreting() -> bool:
 class KernelConfig:
     """Tile shape of the two expert GEMMs. ``block_m`` is also the tile height of the routing; ``split_k``
     splits the reduction over that many programs (partial sums added in a fixed order afterwards).
-    ``register_gemv``: NVFP4 decode through the Gluon kernels of `register_kernels`, whose shape is fixed
-    (`REGISTER_GEMV`: 8 slots x 64 weight rows per program, 256-input steps); only ``split_k`` is read."""
+    ``register_gemv``: NVFP4 / MXFP8 decode through the Gluon kernels of `register_kernels`, whose shape is
+    fixed (`REGISTER_GEMV`: 8 slots x 64 weight rows per program, 128-byte steps); only ``split_k`` is read."""
 
     block_m: int
     gate_up_n: int
@@ -81,10 +86,11 @@ REGISTER_GEMV = KernelConfig(8, 64, 64, 256, 4, 1, register_gemv=True)
 def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool = False) -> KernelConfig:
     """Shape from sizes only (never from the data), so the choice is graph-safe.
 
-    ``register_gemv`` (the device and shapes allow `register_kernels`): NVFP4 decode takes those kernels
-    while an expert's slots mostly fit one 8-slot tile (at most 2 slots per expert on average; beyond, each
-    further tile reads the expert's weights again); on an H200 they reach 69% / 67% of the copy
-    bandwidth at T = 8 / 64 against 51% / 52% for the Triton kernels (docs/benchmarks.md).
+    ``register_gemv`` (the device and shapes allow `register_kernels`): NVFP4 and MXFP8 decode take those
+    kernels while an expert's slots mostly fit one 8-slot tile (beyond, each further tile reads the expert's
+    weights again): on an H200, NVFP4 up to 2 slots per expert on average (68% / 67% of the copy bandwidth at
+    T = 8 / 64 against 51% / 52% for the Triton kernels), MXFP8 up to 1.5 (60% / 75% / 74% at T = 1 / 8 / 64
+    against 51% / 68-71% / 69-73%; the Triton kernels are faster from T = 96, 2 per expert); docs/benchmarks.md.
 
     Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 inputs per K step; quantized
     formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and fastest in the H200
@@ -94,7 +100,7 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
     rows per expert are the fastest of the 8192-token sweep in docs/benchmarks.md.
     """
     per_expert = num_slots / max(num_experts, 1)
-    if register_gemv and fmt == "nvfp4" and per_expert <= 2:
+    if register_gemv and per_expert <= _REGISTER_SLOTS_PER_EXPERT.get(fmt, 0):
         return REGISTER_GEMV
     if per_expert <= 8:
         if fmt == "bf16":
@@ -218,8 +224,9 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     register_gemv = _register_gemv_usable(x, fmt, h, inter)
     cfg = config or pick_config(s, num_experts, fmt, register_gemv)
     if cfg.register_gemv and not register_gemv:
-        raise ValueError("register_gemv needs NVFP4 experts with H and I multiples of 256 on a CUDA GPU of compute "
-                         "capability >= 8.9 and a Triton with Gluon; leave config=None to let pick_config choose")
+        raise ValueError("register_gemv needs NVFP4 (MXFP8) experts with H and I multiples of 256 (128) on a CUDA "
+                         "GPU of compute capability >= 8.9 and a Triton with Gluon; leave config=None to let "
+                         "pick_config choose")
     if routing is None:
         routing = _route_triton(expert_ids, num_experts, cfg.block_m)
     elif routing.block_m != cfg.block_m:
@@ -250,11 +257,13 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     else:
         o13 = o2 = rw  # unused
 
-    if fmt == "nvfp4":
-        # f16 MMAs: x scaled per token by a power of two into f16 range, de-interleaved (see kernels).
+    if fmt == "nvfp4" or cfg.register_gemv:
+        # f16 MMAs: x scaled per token by a power of two into f16 range (NVFP4: de-interleaved, see kernels).
         x_in = torch.empty(t, h, dtype=torch.float16, device=dev)
         x_scale = torch.empty(t, dtype=torch.float32, device=dev)
-        k._x_to_f16_kernel[(t,)](x, x.stride(0), x_in, x_scale, h, BLOCK=1024, num_warps=4)
+        row = _next_pow2(h)
+        k._x_to_f16_kernel[(t,)](x, x.stride(0), x_in, x_scale, h, DEINTERLEAVE=fmt == "nvfp4", BLOCK=row,
+                                 num_warps=max(4, min(16, row // 1024)))
         act = torch.empty(s, inter, dtype=torch.float16, device=dev)
     else:
         x_in, x_scale = x, rw  # x_scale unused
@@ -263,7 +272,7 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     tiles = (routing.sorted_slots, routing.tile_expert, routing.tile_start, routing.expert_offsets)
     if cfg.register_gemv:
         rk = _register_kernels()
-        split_gu, split_dn = (_steps_split(k // (2 * rk.STEP_BYTES.value), cfg.split_k) for k in (h, inter))
+        split_gu, split_dn = (_steps_split(k // _REGISTER_STEP_INPUTS[fmt], cfg.split_k) for k in (h, inter))
     else:
         split_gu, split_dn = _split_k(h, cfg.split_k), _split_k(inter, cfg.split_k)
     part = torch.empty(split_gu if split_gu > 1 else 0, s, 2 * inter, dtype=torch.float32, device=dev)
@@ -272,7 +281,7 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
         rk._gate_up_kernel[(n_tiles, inter // rk.FEATURES.value, split_gu)](
             x_in, *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1), o13, x_scale,
             act, part if split_gu > 1 else y, s, h, inter, float(gate_cap), float(up_cap), TOPK=top_k,
-            SPLIT_K=split_gu, num_warps=rk.WARPS.value)
+            SPLIT_K=split_gu, FMT=code, num_warps=rk.WARPS.value)
     else:
         k._gate_up_kernel[(n_tiles, _cdiv(inter, cfg.gate_up_n), split_gu)](
             x_in, x_in.stride(0), *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1),
@@ -289,7 +298,7 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     if cfg.register_gemv:
         rk._down_kernel[(n_tiles, h // rk.ROWS.value, split_dn)](
             act, *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2, y, s, h, inter,
-            num_warps=rk.WARPS.value)
+            FMT=code, num_warps=rk.WARPS.value)
     else:
         k._down_kernel[(n_tiles, _cdiv(h, cfg.down_n), split_dn)](
             act, act.stride(0), *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2,

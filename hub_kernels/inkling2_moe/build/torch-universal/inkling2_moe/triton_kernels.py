@@ -311,24 +311,19 @@ def _deinterleaved(k, half):
 
 
 @triton.jit
-def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, BLOCK: tl.constexpr):
-    """NVFP4 path input: row t of x times 2**-p_t as f16, de-interleaved ([even inputs | odd inputs]),
-    with p_t = the smallest power that keeps the row under 2**15 (0 for ordinary activations, where
-    bf16 -> f16 is exact); xs[t] = 2**p_t undoes it in the epilogue."""
+def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, DEINTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """Input of the f16 MMAs (NVFP4, and MXFP8 in the register kernels): row t of x times 2**-p_t as f16
+    (NVFP4: de-interleaved, [even inputs | odd inputs]), with p_t = the smallest power that keeps the row under
+    2**15 (0 for ordinary activations, where bf16 -> f16 is exact); xs[t] = 2**p_t undoes it in the epilogue.
+    BLOCK >= H: the row is read once, into registers (one load latency; at T = 1 this launch is on the path)."""
     t = tl.program_id(0)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + t * stride_xt + cols, mask=cols < H, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    biased = (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2**(biased - 126)
+    cols = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + t * stride_xt + cols, mask=cols < H, other=0.0).to(tl.float32)
+    biased = (tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2**(biased - 126)
     p = tl.maximum(biased - 141, 0)
     down = ((127 - p) << 23).to(tl.float32, bitcast=True)
-    for k0 in range(0, H, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + t * stride_xt + cols, mask=cols < H, other=0.0).to(tl.float32)
-        dst = x16_ptr + t * H + _deinterleaved(cols, H // 2)
-        tl.store(dst, (v * down).to(tl.float16), mask=cols < H)
+    dst = x16_ptr + t * H + (_deinterleaved(cols, H // 2) if DEINTERLEAVE else cols)
+    tl.store(dst, (v * down).to(tl.float16), mask=cols < H)
     tl.store(xs_ptr + t, ((127 + p) << 23).to(tl.float32, bitcast=True))
 
 

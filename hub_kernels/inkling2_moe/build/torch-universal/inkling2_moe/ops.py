@@ -89,7 +89,7 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
     ``register_gemv`` (the device and shapes allow `register_kernels`): NVFP4 and MXFP8 decode take those
     kernels while an expert's slots mostly fit one 8-slot tile (beyond, each further tile reads the expert's
     weights again): on an H200, NVFP4 up to 2 slots per expert on average (68% / 67% of the copy bandwidth at
-    T = 8 / 64 against 51% / 52% for the Triton kernels), MXFP8 up to 1.5 (60% / 75% / 74% at T = 1 / 8 / 64
+    T = 8 / 64 against 51% / 52% for the Triton kernels), MXFP8 up to 1.5 (61% / 75% / 75% at T = 1 / 8 / 64
     against 51% / 68-71% / 69-73%; the Triton kernels are faster from T = 96, 2 per expert); docs/benchmarks.md.
 
     Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 inputs per K step; quantized

@@ -1,9 +1,9 @@
-"""The index logic of the NVFP4 register-GEMV kernels (`inkling2_moe/register_kernels.py`), replayed on CPU.
+"""The index logic of the NVFP4 / MXFP8 register-GEMV kernels (`inkling2_moe/register_kernels.py`), replayed on CPU.
 
 There is no Gluon interpreter: the GPU tests (tests/test_moe_kernels.py, `-m gpu`) run the kernels, and these
 check, without a GPU, that the nibble decode (`_DECODE`, executed here instruction by instruction) gives the
-E2M1 values, and that the weight and activation relabelings (`WEIGHTS_ORDER`, `ACTIVATIONS_ORDER`) pair every
-weight with its own input, so that changing one without the other fails here first.
+E2M1 values, and that the weight and activation relabelings (`WEIGHTS_ORDER`, `ACTIVATIONS_ORDER`, and MXFP8's
+`MX_*_ORDER`) pair every weight with its own input, so that changing one without the other fails here first.
 """
 
 from __future__ import annotations
@@ -94,3 +94,17 @@ def test_lane_positions_become_the_operands_lane_inputs(rk):
     relabeled = positions.reshape([rows] + [2] * bits).permute(rk.WEIGHTS_ORDER.value).reshape(rows, step_bytes)
     for t in range(4):
         assert relabeled[0, 2 * t].item() == 16 * t
+
+
+def test_mxfp8_relabelings_pair_each_weight_with_its_input_and_lane(rk):
+    """MXFP8 blocks: byte p of a block is input p on both sides (no decode swap); after the relabelings, every
+    operand input names the same input in A and B, and bytes 8 t (lane t's first) land on operand input 2 t."""
+    rows, block, bits = rk.ROWS.value, rk.MX_BLOCK.value, rk.MX_BLOCK_BITS.value
+    assert 2**bits == block and rk.MX_STEP_BLOCKS.value * block == rk.STEP_BYTES.value
+    p = torch.arange(block)
+    a = p.expand(rows, block).reshape([rows] + [2] * bits).permute(rk.MX_WEIGHTS_ORDER.value).reshape(rows, block)
+    b = p.expand(8, block).reshape([8] + [2] * bits).permute(rk.MX_ACTIVATIONS_ORDER.value).reshape(block, 8)
+    assert torch.equal(a, b[:, :1].T.expand(rows, block))
+    assert torch.equal(b, b[:, :1].expand(block, 8))
+    for t in range(4):
+        assert a[0, 2 * t].item() == 8 * t

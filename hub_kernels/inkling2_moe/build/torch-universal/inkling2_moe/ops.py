@@ -264,6 +264,7 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
         row = _next_pow2(h)
         k._x_to_f16_kernel[(t,)](x, x.stride(0), x_in, x_scale, h, DEINTERLEAVE=fmt == "nvfp4", BLOCK=row,
                                  num_warps=max(4, min(16, row // 1024)))
+        # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
         act = torch.empty(s, inter, dtype=torch.float16, device=dev)
     else:
         x_in, x_scale = x, rw  # x_scale unused

@@ -41,10 +41,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .triton_kernels import FMT_MXFP8, FMT_NVFP4, _deinterleaved, _softcapped_swiglu
+from .triton_kernels import FMT_NVFP4, _deinterleaved, _softcapped_swiglu
 
-NVFP4 = gl.constexpr(FMT_NVFP4)
-MXFP8 = gl.constexpr(FMT_MXFP8)
+NVFP4 = gl.constexpr(FMT_NVFP4)  # the kernels' FMT: NVFP4 or (else) MXFP8
 
 WARPS = gl.constexpr(4)
 ROWS = gl.constexpr(64)  # weight rows per program

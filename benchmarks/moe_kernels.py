@@ -6,8 +6,8 @@ replay of a CUDA graph holding R calls with R different routings and inputs (so 
 from L2), divided by R. Bandwidth = bytes of the ACTIVE experts' weights and scales (each read once) /
 time. Next to it: `torch._grouped_mm` on BF16 weights with the same routings (same accounting with BF16
 bytes), and the measured device-to-device copy bandwidth (bytes read + written) as the ceiling.
-Also: a small sweep of decode tile shapes (for NVFP4 decode, whose default on Hopper is the Gluon register-GEMV
-path, the Triton kernels and other K splits next to it), and prefill (T = 2048, 8192) throughput in TFLOP/s. Alone:
+Also: a small sweep of decode tile shapes (for NVFP4 / MXFP8 decode, whose default on Hopper is the Gluon
+register-GEMV path, the Triton kernels and other K splits next to it), and prefill (T = 2048, 8192) throughput in TFLOP/s. Alone:
 `--sweep-only` (a wider decode tile sweep), `--prefill-sweep` (prefill tile shapes at 8192 tokens next to
 `torch._grouped_mm`), `--profile` (device time of each kernel of a decode-size call).
 

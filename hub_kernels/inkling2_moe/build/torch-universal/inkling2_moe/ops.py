@@ -49,7 +49,8 @@ def _register_gemv_supported(device: torch.device) -> bool:
     return True
 
 
-_REGISTER_STEP_INPUTS = {"nvfp4": 256, "mxfp8": 128}  # 128 bytes of a weight row per step
+# 128 bytes of a weight row per step (register_kernels' STEP_BYTES and `_step_inputs`), known here without Gluon
+_REGISTER_STEP_INPUTS = {"nvfp4": 256, "mxfp8": 128}
 _REGISTER_SLOTS_PER_EXPERT = {"nvfp4": 2.0, "mxfp8": 1.5}  # up to where they beat the Triton kernels (pick_config)
 
 

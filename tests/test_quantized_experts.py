@@ -249,6 +249,53 @@ def test_the_hub_kernel_loads_and_its_reference_agrees_with_the_model_on_cpu(che
     assert ((kernel - reference).norm() / reference.norm()).item() <= 1e-2
 
 
+def test_the_hub_kernel_is_one_opaque_op_under_torch_compile(checkpoints):
+    """`torch.compile` (the compiled decode steps, fullgraph) calls the kernel as the custom op
+    `inkling2::routed_experts` instead of tracing into it: traced, its Gluon decode kernels would go to Inductor's
+    Triton compiler, which cannot build them."""
+    from transformers_inkling2.kernel_loading import routed_experts
+
+    experts = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed").model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 64, generator=generator)
+    expert_ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(3)])
+    weights = torch.rand(3, 2, generator=generator)
+    graphs = []
+
+    def recording_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(experts.run_kernel, backend=recording_backend, fullgraph=True)
+    assert torch.equal(compiled(x, expert_ids, weights), experts.run_kernel(x, expert_ids, weights))
+    targets = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.inkling2.routed_experts.default in targets
+    kernel_arguments = dict(gate_cap=experts.gate_cap, up_cap=experts.up_cap, **experts.kernel_weights())
+    torch.library.opcheck(routed_experts, (x.to(torch.bfloat16), expert_ids, weights), kernel_arguments,
+                          test_utils="test_faketensor")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [0, 5], ids=["nvfp4", "mxfp8"])
+def test_compiled_decode_calls_the_gluon_kernels_as_they_are(tmp_path, layer):
+    """Decode-size calls with widths the Gluon register kernels take (H, I multiples of 256), compiled like the
+    decode steps of `generate(..., compile_config=...)`: the same output as eager, bit for bit."""
+    config = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 256, "n_routed_experts": 16, "num_experts_per_tok": 4}
+    model = randomize_(Inkling2ForCausalLM(Inkling2TextConfig(**config)), seed=8).eval()
+    model.save_pretrained(tmp_path / "bf16")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "mixed", mxfp8_from=4)
+    experts = Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.bfloat16).model.layers[layer]
+    experts = experts.mlp.experts.to("cuda")
+    compiled = torch.compile(experts, fullgraph=True)
+    generator = torch.Generator().manual_seed(layer)
+    for tokens in (1, 4):
+        x = torch.randn(tokens, 256, generator=generator).to("cuda", torch.bfloat16)
+        expert_ids = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(tokens)]).cuda()
+        weights = (torch.rand(tokens, 4, generator=generator) * 2).cuda()
+        with torch.no_grad():
+            assert torch.equal(compiled(x, expert_ids, weights), experts(x, expert_ids, weights))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", [0, 5], ids=["nvfp4", "mxfp8"])
 def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp_path, layer):

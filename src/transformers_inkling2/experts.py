@@ -112,10 +112,10 @@ class Inkling2ExpertsBase(nn.Module):
         """The `inkling2_moe` hub kernel (routing, fused dequantization, softcapped SwiGLU and combine in a handful of
         launches, no host sync: Triton on CUDA tensors, the kernel package's own PyTorch reference elsewhere);
         bf16 activations."""
-        from .kernel_loading import moe_kernel
+        from .kernel_loading import routed_experts
 
         return self.finish(
-            moe_kernel().moe_forward(
+            routed_experts(
                 x.to(torch.bfloat16),
                 self.local_expert_ids(expert_ids),  # the kernel drops ids outside [0, experts): other ranks' routes
                 weights.float(),

@@ -10,6 +10,8 @@ import functools
 import os
 from pathlib import Path
 
+import torch
+
 KERNEL_ENV = "INKLING2_MOE_KERNEL"
 # a checkout's `hub_kernels/`, or its copy inside an installed wheel
 LOCAL_KERNEL = next(
@@ -41,3 +43,32 @@ def moe_kernel():
         return kernels.get_local_kernel(path)
     repo_id, _, revision = source.partition("@")
     return kernels.get_kernel(repo_id, revision=revision or None)
+
+
+@torch.library.custom_op("inkling2::routed_experts", mutates_args=())
+def routed_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    fmt: str,
+    gate_cap: float,
+    up_cap: float,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_outer: torch.Tensor | None = None,
+    w2_outer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe_kernel().moe_forward` (same arguments; bf16 [T, H] out) as a custom op: `torch.compile` (the compiled
+    decode steps) calls the kernel as it is. Traced into, its Gluon kernels (NVFP4 / MXFP8 decode) would be handed
+    to Inductor's Triton compiler, which cannot build them."""
+    return moe_kernel().moe_forward(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale=w13_scale,
+                                    w2_scale=w2_scale, w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap,
+                                    up_cap=up_cap)  # fmt: skip
+
+
+@routed_experts.register_fake
+def _(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, w13_scale=None, w2_scale=None, w13_outer=None,
+      w2_outer=None):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)

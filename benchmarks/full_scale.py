@@ -27,6 +27,7 @@ Measured (rank 0 writes `full_scale.md` and `full_scale.json` under --out):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -248,7 +249,7 @@ def measure(model, device, args) -> dict:
             print(f"longest {length}: {ms}", flush=True)
             if ms == OOM:
                 break
-            result["longest_fitting"] = length
+            result["fits_up_to"] = length
     for batch in args.decode_batch:
         decode = guarded(lambda: decode_measures(model, device, batch, args), device)
         if decode != OOM:
@@ -268,7 +269,8 @@ def report(args, world: int, per_rank: list[dict], build_seconds: float) -> str:
         f"{f' (first {args.layers} layers)' if args.layers else ''}\n",
         f"{world} x {name}, torch {torch.__version__}; built with random weights in {build_seconds:.0f} s; "
         f"attention `{args.attention}`; prefill chunks of {args.chunk} tokens; decode after {args.context} tokens "
-        f"over the static cache ({'CUDA graphs' if torch.cuda.is_available() else 'eager, no GPU'}).\n",
+        f"over the static cache ({'CUDA graphs' if torch.cuda.is_available() else 'eager, no GPU'}"
+        f"{', steps compiled by torch.compile' if args.compile else ''}).\n",
         "Model bytes per rank, GiB: " + ", ".join(f"{r['held_gib']:.2f}" for r in per_rank) + ". "
         "Memory per rank after the build, GiB: "
         + ", ".join(
@@ -282,6 +284,8 @@ def report(args, world: int, per_rank: list[dict], build_seconds: float) -> str:
              "-" if value["tokens_per_s"] is None else f"{value['tokens_per_s']:,.0f}"]
             for key, value in first.items() if key.startswith(("prefill_", "longest_"))]  # fmt: skip
     lines.append(markdown_table(["prefill", "ms", "tokens/s"], rows))
+    if args.longest:
+        lines.append(f"\nLongest prompt of {args.longest} that ran: {first.get('fits_up_to', 'none')} tokens.\n")
     rows = []
     for batch in args.decode_batch:
         d = first[f"decode_batch{batch}"]
@@ -344,6 +348,9 @@ def main() -> None:
         (out / "full_scale.json").write_text(json.dumps({"args": vars(args), "per_rank": per_rank}, indent=1))
         print(text, flush=True)
     torch.distributed.barrier()
+    # the decode measurements' CUDA graphs captured NCCL calls, and NCCL's teardown waits forever while such a graph
+    # is alive (pytorch/pytorch#115388; this script hung here on two H200): collect them first
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

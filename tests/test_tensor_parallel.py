@@ -175,12 +175,14 @@ def test_full_scale_benchmark_builds_split_and_measures(tmp_path):
     held = {}
     for ranks in (1, 2):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                   str(script), "--quick", "--out", str(tmp_path / str(ranks))]  # fmt: skip
+                   str(script), "--quick", "--longest", "128", "--out", str(tmp_path / str(ranks))]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
         assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         per_rank = json.loads((tmp_path / str(ranks) / "full_scale.json").read_text())["per_rank"]
         assert len(per_rank) == ranks
+        assert per_rank[0]["fits_up_to"] == 128
+        assert "Longest prompt of [128] that ran: 128 tokens." in (tmp_path / str(ranks) / "full_scale.md").read_text()
         for decode in (per_rank[0]["decode_batch1"], per_rank[0]["decode_batch16"]):
             assert {"plain_step_ms", "verify_pass_ms", "draft_ms", "dspark_step_ms", "roofline_ms"} <= set(decode)
         held[ranks] = [rank["held_gib"] for rank in per_rank]

@@ -225,7 +225,7 @@ def main():
     parser.add_argument("--compile", action="store_true",
                         help="also the static-cache steps compiled with torch.compile (CompileConfig()) inside the graphs")
     parser.add_argument("--no-flex-decode", dest="flex_decode", action="store_false",
-                        help="leave out inkling2_flex_decode (not yet validated on a GPU)")
+                        help="leave out inkling2_flex_decode (shorter runs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")

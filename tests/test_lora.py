@@ -63,7 +63,8 @@ def trainable(model) -> dict[str, torch.nn.Parameter]:
 
 
 def loss_of(model) -> torch.Tensor:
-    return model(input_ids=INPUT_IDS, labels=INPUT_IDS, use_cache=False).loss
+    input_ids = INPUT_IDS.to(model.device)
+    return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
 
 def train(model, steps: int = 8, lr: float = 1e-2) -> list[float]:
@@ -166,8 +167,11 @@ def test_training_leaves_quantized_experts_bitwise_unchanged_and_makes_no_float_
     assert after == before["float_tensors"]
 
 
-def test_backward_keeps_no_dequantized_expert_weights(checkpoints):
-    peft_model = lora(load(checkpoints / "mixed")).train()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_backward_keeps_no_dequantized_expert_weights(checkpoints, device):
+    """With gradients flowing the experts take the differentiable reference (on CUDA too, not the fused kernel),
+    which dequantizes each expert again in backward instead of keeping it."""
+    peft_model = lora(load(checkpoints / "mixed").to(device)).train()
     weights = {t.untyped_storage().data_ptr() for t in peft_model.parameters()}
     hidden, inner = CONFIG["hidden_size"], CONFIG["moe_intermediate_size"]
     expert_shapes = {(2 * inner, hidden), (hidden, 2 * inner), (hidden, inner), (inner, hidden)}

@@ -362,9 +362,11 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
     results = {}
     gen = torch.Generator().manual_seed(11)
-    # pairwise ranks (<= 2048 slots; the last with more programs than experts), then histograms (> 2048)
-    for tokens, experts, top_k, bm in [(3, 8, 2, 16), (40, 16, 8, 16), (77, 384, 8, 16), (300, 16, 2, 64),
-                                       (1000, 8, 2, 16), (300, 16, 8, 16), (40, 384, 8, 8)]:
+    # pairwise ranks in one launch with the tiles (<= 64 slots: the first three), in two (<= 2048; the last with
+    # more programs than experts), then histograms (> 2048)
+    for tokens, experts, top_k, bm in [(3, 8, 2, 16), (1, 384, 8, 8), (8, 384, 8, 8), (40, 16, 8, 16),
+                                       (77, 384, 8, 16), (300, 16, 2, 64), (1000, 8, 2, 16), (300, 16, 8, 16),
+                                       (40, 384, 8, 8)]:
         ids, _ = t.realistic_routing(tokens, experts, top_k, gen)
         ids[0, 0] = -1
         a, b = km.route_reference(ids, experts, bm), ops._route_triton(ids, experts, bm)

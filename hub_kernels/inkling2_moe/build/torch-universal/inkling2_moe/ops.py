@@ -19,7 +19,7 @@ from .reference import (
 __all__ = ["KernelConfig", "moe_forward", "pick_config", "route"]
 
 _FMT_CODE = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
-_RANK_ROUTE_SLOTS = 2048  # up to this many slots routing ranks slots pairwise (two launches), beyond: histograms
+_RANK_ROUTE_SLOTS = 2048  # up to this many slots routing ranks slots pairwise (1-2 launches), beyond: histograms
 _ROUTE_CHUNK = 256
 _ROUTE_BLOCK = 64
 
@@ -143,10 +143,12 @@ def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> R
     if s <= _RANK_ROUTE_SLOTS:
         rb = min(_ROUTE_BLOCK, max(16, _next_pow2(s)))
         programs = _next_pow2(_cdiv(s, rb))  # each also counts the offsets of nb / programs experts (at least one)
-        k._route_rank_kernel[(programs,)](ids, sorted_slots, position, offsets, s, num_experts, RB=rb, NB=nb,
-                                          NBP=max(1, nb // programs), num_warps=4)
-        k._route_tiles_kernel[(1,)](offsets, tile_expert, tile_start, num_experts, n_tiles, BM=block_m, NB=nb,
-                                    TB=tb, num_warps=4)
+        k._route_rank_kernel[(programs,)](ids, sorted_slots, position, offsets, tile_expert, tile_start, s,
+                                          num_experts, n_tiles, RB=rb, NB=nb, NBP=max(1, nb // programs),
+                                          TILES=programs == 1, BM=block_m, TB=tb, num_warps=4)
+        if programs > 1:
+            k._route_tiles_kernel[(1,)](offsets, tile_expert, tile_start, num_experts, n_tiles, BM=block_m, NB=nb,
+                                        TB=tb, num_warps=4)
     else:
         chunks = -(-s // _ROUTE_CHUNK)
         hist = torch.empty(chunks, nb, dtype=i32, device=dev)
@@ -163,7 +165,7 @@ def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> R
 def route(expert_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
     """Group the ``T * top_k`` slots of ``expert_ids [T, top_k]`` by expert (see :class:`Routing`).
 
-    On CUDA this is two launches (<= 2048 slots) or three, with grids fixed by the slot count: no host
+    On CUDA this is one launch (<= 64 slots), two (<= 2048) or three, with grids fixed by the slot count: no host
     synchronization, CUDA-graph capturable. Elsewhere it is :func:`route_reference`.
     """
     if block_m not in (8, 16, 32, 64, 128):

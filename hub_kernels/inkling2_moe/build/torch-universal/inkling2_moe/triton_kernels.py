@@ -97,24 +97,32 @@ def _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num
 
 
 @triton.jit
-def _route_rank_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, num_slots, num_experts,
-                       RB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr):
+def _route_rank_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
+                       num_experts, n_tiles, RB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+                       TILES: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
     """grid (G,): program p sorts slots [p*RB, p*RB + RB) to their positions (#slots with a smaller key + #earlier
     slots with the same key: stable) and writes expert_offsets of experts [p*NBP, p*NBP + NBP) (#slots with a
-    smaller key). O(slots^2) compares, spread over the programs: cheaper than histograms at decode sizes."""
+    smaller key). O(slots^2) compares, spread over the programs: cheaper than histograms at decode sizes.
+    TILES (one program, which then sees every slot and expert): also the tile list, which otherwise takes a second
+    launch (`_route_tiles_kernel`), on the path of every decode step."""
     p = tl.program_id(0)
     offs_i, inb_i, key_i = _slot_keys(ids_ptr, p * RB, num_slots, num_experts, RB, NB)
     bins = p * NBP + tl.arange(0, NBP)
     position = tl.zeros((RB,), dtype=tl.int32)
     below = tl.zeros((NBP,), dtype=tl.int32)
+    counts = tl.zeros((NBP,), dtype=tl.int32)
     for j0 in range(0, num_slots, RB):  # padding lanes have key NB: never smaller, never equal
         offs_j, inb_j, key_j = _slot_keys(ids_ptr, j0, num_slots, num_experts, RB, NB)
         earlier_equal = (key_j[None, :] == key_i[:, None]) & (offs_j[None, :] < offs_i[:, None])
         position += tl.sum(((key_j[None, :] < key_i[:, None]) | earlier_equal).to(tl.int32), axis=1)
         below += tl.sum((key_j[:, None] < bins[None, :]).to(tl.int32), axis=0)
+        if TILES:
+            counts += tl.sum((key_j[:, None] == bins[None, :]).to(tl.int32), axis=0)
     tl.store(sorted_ptr + position, offs_i.to(tl.int32), mask=inb_i)
     tl.store(position_ptr + offs_i, position, mask=inb_i)
     tl.store(offsets_ptr + bins, below, mask=bins <= num_experts)
+    if TILES:
+        _write_tiles(below, counts, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles, BM, NB, TB)
 
 
 @triton.jit

@@ -284,8 +284,8 @@ def test_compiled_decode_calls_the_gluon_kernels_as_they_are(tmp_path, layer):
     model = randomize_(Inkling2ForCausalLM(Inkling2TextConfig(**config)), seed=8).eval()
     model.save_pretrained(tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "mixed", mxfp8_from=4)
-    experts = Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.bfloat16).model.layers[layer]
-    experts = experts.mlp.experts.to("cuda")
+    quantized = Inkling2ForCausalLM.from_pretrained(tmp_path / "mixed", dtype=torch.bfloat16)
+    experts = quantized.model.layers[layer].mlp.experts.to("cuda")
     compiled = torch.compile(experts, fullgraph=True)
     generator = torch.Generator().manual_seed(layer)
     for tokens in (1, 4):

@@ -48,7 +48,7 @@ NVFP4 = gl.constexpr(FMT_NVFP4)  # the kernels' FMT: NVFP4 or (else) MXFP8
 WARPS = gl.constexpr(4)
 ROWS = gl.constexpr(64)  # weight rows per program
 FEATURES = gl.constexpr(ROWS.value // 2)  # gate/up kernel: features per program (a gate row and an up row each)
-STEP_BYTES = gl.constexpr(128)  # bytes of a row per step (256 inputs)
+STEP_BYTES = gl.constexpr(128)  # bytes of a row per step (256 NVFP4 or 128 MXFP8 inputs: `_step_inputs`)
 DECODE_SCALE = gl.constexpr(2.0**14)  # decoded values are the E2M1 values times 2**-14
 
 # A step's bytes [64 rows, 128]: registers 16 consecutive bytes, row + 8, byte + 64; lane 4 g + t: byte 16 t,
@@ -285,9 +285,9 @@ def _gate_up_rows(c, I, layout: gl.constexpr):
 def _gate_up_kernel(x_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, w_ptr, stride_we, stride_wn,
                     s_ptr, stride_se, stride_sn, outer_ptr, xs_ptr, act_ptr, part_ptr, num_slots, H, I, gate_cap,
                     up_cap, TOPK: gl.constexpr, SPLIT_K: gl.constexpr, FMT: gl.constexpr):
-    """grid (tiles, I / FEATURES, SPLIT_K): features [32 c, 32 c + 32) of this tile's slots. SPLIT_K == 1: the
-    activation act[position, feature] (f16, in x's order); else the gate and up sums of one K slice to
-    part[slice, position, w13 row] for `_swiglu_kernel`. x: [T, H] f16 (NVFP4: de-interleaved)."""
+    """grid (tiles, I / FEATURES, SPLIT_K): features [FEATURES c, FEATURES (c + 1)) of this tile's slots.
+    SPLIT_K == 1: the activation act[position, feature] (f16, in x's order); else the gate and up sums of one K
+    slice to part[slice, position, w13 row] for `_swiglu_kernel`. x: [T, H] f16 (NVFP4: de-interleaved)."""
     e, start, end = _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr)
     if e >= 0:
         c = gl.program_id(1)

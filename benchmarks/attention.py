@@ -229,7 +229,7 @@ def visible_pairs(tokens: int, window: int | None) -> int:
 def attention_inputs(tokens: int, generator) -> dict:
     """Inputs with the model's magnitudes: clipped queries/keys (norm about 16), RMS-normalized values; relative
     logits from 16-dim states and a bank, in the layout the model's projection gives them (`aligned_product`)."""
-    from transformers_inkling2.modeling_inkling2_text import aligned_product
+    from transformers_inkling2.backends.attention.relative_logits import aligned_product
 
     def randn(*shape, scale=1.0):
         return torch.randn(shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * scale
@@ -251,12 +251,12 @@ def attention_microbenchmark(lengths: list[int], repeats: int) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
 
-    from transformers_inkling2.attention import eager_attention
-    from transformers_inkling2.attention_flex import (
+    from transformers_inkling2.backends.attention.flex import (
         distance_block_mask,
         inkling2_flex_attention,
         inkling2_triton_attention,
     )
+    from transformers_inkling2.modeling.attention import eager_attention
 
     compiled_flex = torch.compile(flex_attention, dynamic=True, fullgraph=True)
     generator = torch.Generator(device=DEVICE).manual_seed(0)

@@ -88,8 +88,8 @@ def decode_inputs(batch: int, queries: int, keys: int, generator) -> dict:
 
 
 def attention_decode_benchmark(key_counts, batches, repeats, with_flex_decode=True) -> list[dict]:
-    from transformers_inkling2.attention import eager_attention
-    from transformers_inkling2.attention_flex import inkling2_decode_attention, inkling2_flex_decode_attention
+    from transformers_inkling2.backends.attention.flex import inkling2_decode_attention, inkling2_flex_decode_attention
+    from transformers_inkling2.modeling.attention import eager_attention
 
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     rows = []

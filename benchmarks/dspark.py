@@ -40,8 +40,8 @@ from transformers import CompileConfig
 
 import transformers_inkling2  # noqa: F401
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache, Inkling2TextConfig
-from transformers_inkling2.cache_inkling2 import Inkling2Cache
-from transformers_inkling2.dspark_training import (
+from transformers_inkling2.cache.dynamic import Inkling2Cache
+from transformers_inkling2.dspark.training import (
     attach_new_drafter,
     default_dspark_config,
     random_anchors,
@@ -51,8 +51,8 @@ from transformers_inkling2.dspark_training import (
     train_dspark,
     window_batches,
 )
-from transformers_inkling2.generation_dspark import DSparkDecoder, DSparkOptions
-from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
+from transformers_inkling2.generation.dspark import DSparkDecoder, DSparkOptions
+from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: only to try the script with few steps
 PROMPT_TOKENS = 64

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from transformers_inkling2 import Inkling2ForCausalLM  # noqa: E402
-from transformers_inkling2.dspark_training import (  # noqa: E402
+from transformers_inkling2.dspark.training import (  # noqa: E402
     attach_new_drafter,
     default_dspark_config,
     random_anchors,

@@ -182,7 +182,7 @@ def decode_measures(model, device, batch: int, args) -> dict:
     from transformers import CompileConfig
 
     from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
-    from transformers_inkling2.generation_dspark import DSparkDecoder, DSparkOptions
+    from transformers_inkling2.generation.dspark import DSparkDecoder, DSparkOptions
 
     vocab, block = model.config.unpadded_vocab_size, model.dspark.config.block_size
     length = args.context + args.steps * (block + 1) + 64

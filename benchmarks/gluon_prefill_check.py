@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as bench  # noqa: E402
 
-from transformers_inkling2 import attention_prefill_gluon as gluon_kernel  # noqa: E402
-from transformers_inkling2.attention_prefill_kernel import triton_prefill_attention  # noqa: E402
+from transformers_inkling2.backends.attention import prefill_gluon as gluon_kernel  # noqa: E402
+from transformers_inkling2.backends.attention.prefill_kernel import triton_prefill_attention  # noqa: E402
 
 WINDOW, SCALING = 1024, 128**-0.5
 # (query rows, keys per block, warps, stages): the default, with two programs per SM, and the best of the 128-row

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def attention(layer: str) -> None:
     import attention as bench
 
-    from transformers_inkling2 import attention_prefill_kernel
+    from transformers_inkling2.backends.attention import prefill_kernel as attention_prefill_kernel
 
     inputs = bench.attention_inputs(8192, torch.Generator(device="cuda").manual_seed(0))
     for _ in range(2):  # the first compiles

@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as bench  # noqa: E402
 
-from transformers_inkling2 import attention_prefill_kernel as K
-from transformers_inkling2.attention_flex import inkling2_flex_attention
+from transformers_inkling2.backends.attention import prefill_kernel as K
+from transformers_inkling2.backends.attention.flex import inkling2_flex_attention
 
 CONFIGS = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (128, 32, 8, 4),
            (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3)]

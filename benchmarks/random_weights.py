@@ -50,6 +50,6 @@ def fill_random_(tensor: torch.Tensor, name: str, expert_format: str | None, gen
 
 
 def expert_format_of(module) -> str | None:
-    from transformers_inkling2.experts import Inkling2QuantizedExperts
+    from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 
     return module.format if isinstance(module, Inkling2QuantizedExperts) else None

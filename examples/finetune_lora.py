@@ -33,9 +33,9 @@ from transformers_inkling2.finetuning import (
     EXPERT_LORA_TARGET_PARAMETERS,
     refuse_lora_on_quantized_experts,
 )
-from transformers_inkling2.quantize import quantize_checkpoint
+from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
+from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import TINY_MODEL_LABEL, build_tiny_causal_lm
-from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
 
 
 def corpus_blocks(tokenizer, seq_len: int) -> torch.Tensor:

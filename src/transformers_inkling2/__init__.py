@@ -1,38 +1,30 @@
 """transformers-inkling2: Thinking Machines' Inkling-2-Small for Hugging Face transformers.
 
-The data path, module by module:
-    configuration_inkling2   configs (official `config.json` names)
-    modeling_inkling2_text   the text decoder: attention residuals, gated relative-bias attention, short
-                             convolutions, MoE; `Inkling2ForCausalLM`
-    attention                attention backends (`attn_implementation`), the eager reference first
-    fused_convolution        a prompt's short convolutions as one compiled kernel on CUDA
-    cache_inkling2           `Inkling2Cache`: keys/values + short-convolution states, rollback for speculation
-    static_cache_inkling2    `Inkling2StaticCache`: the same in fixed buffers (`cache_implementation="static"`)
-    decode_graphs            decode steps over the static cache replayed as CUDA graphs
-    modeling_inkling2_vision the ViT and the merger into the text width
-    modeling_inkling2        `Inkling2Model`, `Inkling2ForConditionalGeneration`: image features at the placeholders
-    modeling_inkling2_dspark the DSpark drafter: block decoder over the target's hidden states + Markov head
-    generation_dspark        `generate(dspark=True)`: draft, verify in one target pass, accept losslessly, roll back
-    dspark_checkpoints       the official `mtp.safetensors` -> the drafter (or DSpark disabled with a warning)
-    dspark_training          `inkling2 train-dspark`: distill the drafter from its frozen target
-    checkpoint_conversion    original checkpoint names <-> ours (load and save)
-    quantized_formats        NVFP4 / MXFP8 expert weight codecs (the pure-PyTorch reference)
-    tokenization_inkling2    `Inkling2Tokenizer`: o200k_base + the 60 Inkling special tokens
-    image_processing_inkling2  `Inkling2ImageProcessorPil`: images -> 40x40 pixel blocks, one per image token
-    processing_inkling2      `Inkling2Processor`: tokenizer + image processor + chat template
-    chat_template            the Inkling chat format (effort, tools, thinking, images)
-    response_parsing         generated text -> {"thinking", "content", "tool_calls"}, also streaming
-    serving                  `inkling2 serve`: an OpenAI-compatible server
-    experts                  routed experts: BF16 (grouped GEMM) and packed NVFP4 / MXFP8
-    quantized_checkpoints    which layers are NVFP4 / MXFP8, read from the tensor headers; scale validation
-    quantize                 `inkling2 quantize`: BF16 -> the official mixed layout
-    kernel_loading           the `inkling2_moe` hub kernel, through the `kernels` library
-    tensor_parallel          `tp_plan="auto"` under torchrun: attention split by heads, experts in blocks
-    tiny, cli                the embedded tiny model and the `inkling2` command
+The data path, folder by folder (each folder imports only the ones above it):
 
-Importing the package registers every class with transformers' Auto classes, ahead of transformers' own
-`inkling2` entries, and registers the checkpoint renamings for our model types.
+    configuration_inkling2   configs (official `config.json` names): a pure description
+    cache/                   `Inkling2Cache` (keys/values + short-convolution states, rollback) and the fixed-buffer
+                             `Inkling2StaticCache`; `common` holds what both share (the step limit, row shifts)
+    processing/              tokenizer (o200k + the 60 Inkling tokens), image processor (40x40 pixel blocks),
+                             processor, chat template, response parsing
+    modeling/                the reference model: text decoder, ViT, multimodal model, DSpark drafter, checkpoint
+                             names; fast paths reach it only through the registries of `modeling/interfaces.py`
+    backends/                attention backends and their Triton / Gluon kernels, the fused prompt convolution, the
+                             `inkling2_moe` hub kernel loader
+    quantization/            NVFP4 / MXFP8 formats, packed expert modules, detection at load, `inkling2 quantize`
+    parallel/                tensor / expert parallel styles (`tp_plan="auto"`), the memory planner
+    generation/              generate() hooks: DSpark decoding, decode steps replayed as CUDA graphs
+    dspark/                  the drafter's `mtp.safetensors` loader and `inkling2 train-dspark`
+    serving/                 `inkling2 serve`: the OpenAI-compatible server
+    finetuning, tiny, cli    LoRA targets and guard, the embedded tiny model, the `inkling2` command
+
+This file is the one place that knows all of them: importing the package registers every class with transformers'
+Auto classes (ahead of transformers' own `inkling2` entries), the checkpoint renamings, and the package's fast paths
+in the model's registries, by name: they are imported when a model is built or a step first needs them, not here.
+Every public name is importable from here.
 """
+
+import importlib
 
 from transformers import (
     AutoConfig,
@@ -45,22 +37,37 @@ from transformers import (
     AutoTokenizer,
 )
 
-from .cache_inkling2 import Inkling2Cache
-from .checkpoint_conversion import register_conversion_mappings
+from .cache.dynamic import Inkling2Cache
+from .cache.static import Inkling2StaticCache
 from .configuration_inkling2 import Inkling2Config, Inkling2DSparkConfig, Inkling2TextConfig, Inkling2VisionConfig
-from .decode_graphs import Inkling2DecodeGraphs
-from .image_processing_inkling2 import Inkling2ImageProcessorPil
-from .modeling_inkling2 import Inkling2ForConditionalGeneration, Inkling2Model
-from .modeling_inkling2_text import Inkling2ForCausalLM, Inkling2PreTrainedModel, Inkling2TextModel
-from .modeling_inkling2_vision import Inkling2VisionModel
-from .processing_inkling2 import Inkling2MultimodalProcessor, Inkling2Processor
-from .static_cache_inkling2 import Inkling2StaticCache
-from .tokenization_inkling2 import Inkling2Tokenizer
+from .modeling.attention import eager_attention, register_attention_backend
+from .modeling.checkpoint_conversion import register_conversion_mappings
+from .modeling.interfaces import EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
+from .modeling.modeling_inkling2 import Inkling2ForConditionalGeneration, Inkling2Model
+from .modeling.modeling_inkling2_dspark import Inkling2DSparkDrafter
+from .modeling.modeling_inkling2_text import Inkling2ForCausalLM, Inkling2PreTrainedModel, Inkling2TextModel
+from .modeling.modeling_inkling2_vision import Inkling2VisionModel
+from .parallel.planning import format_plan, memory_plan
+from .parallel.tensor_parallel import register_parallel_styles, validate_parallel_size
+from .processing.image_processing_inkling2 import Inkling2ImageProcessorPil
+from .processing.processing_inkling2 import Inkling2MultimodalProcessor, Inkling2Processor
+from .processing.response_parsing import Inkling2ResponseParser, Inkling2ResponseStreamer, parse_response
+from .processing.tokenization_inkling2 import Inkling2Tokenizer, build_inkling2_tokenizer
+from .tiny import (
+    TINY_MODEL_LABEL,
+    build_tiny_causal_lm,
+    build_tiny_model,
+    build_tiny_processor,
+    tiny_config,
+    tiny_dspark_config,
+    tiny_text_config,
+)
+from .version import __version__
 
-__version__ = "0.1.0"
+_PACKAGE = __name__
 
 
-def _register() -> None:
+def _register_auto_classes() -> None:
     for config_class in (Inkling2Config, Inkling2TextConfig, Inkling2VisionConfig, Inkling2DSparkConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(Inkling2TextConfig, Inkling2TextModel, exist_ok=True)
@@ -77,27 +84,107 @@ def _register() -> None:
     image_processors = {"pil": Inkling2ImageProcessorPil, "torchvision": None}
     AutoImageProcessor.register(Inkling2Config, image_processor_classes=image_processors, exist_ok=True)
     AutoProcessor.register(Inkling2Config, Inkling2MultimodalProcessor, exist_ok=True)
-    register_conversion_mappings()
 
 
-_register()
+def _register_fast_paths() -> None:
+    """The package's backends, by `"module:attribute"` name (see `modeling/interfaces.py`)."""
+    flex = f"{_PACKAGE}.backends.attention.flex"
+    register_attention_backend("inkling2_flex", f"{flex}:inkling2_flex_attention")
+    register_attention_backend("inkling2_triton", f"{flex}:inkling2_triton_attention")
+    register_attention_backend("inkling2_decode", f"{flex}:inkling2_decode_attention")
+    register_attention_backend("inkling2_flex_decode", f"{flex}:inkling2_flex_decode_attention", keys_in_any_order=False)
+    for fmt in ("nvfp4", "mxfp8"):
+        EXPERT_STORAGES.register(fmt, f"{_PACKAGE}.quantization.experts:Inkling2QuantizedExperts")
+    KERNELS.register("prompt_convolution", f"{_PACKAGE}.backends.convolution:fused_prompt_convolution")
+    KERNELS.register("routed_experts", f"{_PACKAGE}.backends.kernel_loading:routed_experts")
+    KERNELS.register("relative_logits_layout", f"{_PACKAGE}.backends.attention.relative_logits:aligned_product")
+    quantized = f"{_PACKAGE}.quantization.checkpoints"
+    LOADING_HOOKS.register("expert_storage", f"{quantized}:attach_expert_quantization", stage="config")
+    LOADING_HOOKS.register("bundled_drafter", f"{_PACKAGE}.dspark.checkpoints:load_bundled_drafter", stage="model")
+    LOADING_HOOKS.register("expert_scales", f"{quantized}:check_loaded_experts", stage="model")
+    GENERATION_HOOKS.register("generate", f"{_PACKAGE}.generation.hooks:generate_with_dspark")
+    GENERATION_HOOKS.register("compiled_call", f"{_PACKAGE}.generation.hooks:decode_graphs_call")
+
+
+_register_auto_classes()
+register_conversion_mappings()
+register_parallel_styles()
+_register_fast_paths()
+
+# Public names of the layers above the model, imported on first access (`transformers_inkling2.serve`, ...).
+_LAZY_NAMES = {
+    "Inkling2DecodeGraphs": "generation.decode_graphs",
+    "DSparkOptions": "generation.dspark",
+    "Inkling2DSparkGenerateOutput": "generation.dspark",
+    "Inkling2QuantizedExperts": "quantization.experts",
+    "quantize_checkpoint": "quantization.quantize",
+    "attach_new_drafter": "dspark.training",
+    "default_dspark_config": "dspark.training",
+    "train_dspark": "dspark.training",
+    "load_mtp_drafter": "dspark.checkpoints",
+    "DEFAULT_LORA_TARGET_MODULES": "finetuning",
+    "refuse_lora_on_quantized_experts": "finetuning",
+    "serve": "serving.server",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{_PACKAGE}.{_LAZY_NAMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_NAMES})
+
 
 __all__ = [
+    "DEFAULT_LORA_TARGET_MODULES",
+    "DSparkOptions",
     "Inkling2Cache",
     "Inkling2Config",
-    "Inkling2DecodeGraphs",
     "Inkling2DSparkConfig",
+    "Inkling2DSparkDrafter",
+    "Inkling2DSparkGenerateOutput",
+    "Inkling2DecodeGraphs",
     "Inkling2ForCausalLM",
     "Inkling2ForConditionalGeneration",
     "Inkling2ImageProcessorPil",
     "Inkling2Model",
     "Inkling2MultimodalProcessor",
-    "Inkling2Processor",
-    "Inkling2StaticCache",
-    "Inkling2VisionModel",
     "Inkling2PreTrainedModel",
+    "Inkling2Processor",
+    "Inkling2QuantizedExperts",
+    "Inkling2ResponseParser",
+    "Inkling2ResponseStreamer",
+    "Inkling2StaticCache",
     "Inkling2TextConfig",
     "Inkling2TextModel",
     "Inkling2Tokenizer",
     "Inkling2VisionConfig",
+    "Inkling2VisionModel",
+    "TINY_MODEL_LABEL",
+    "__version__",
+    "attach_new_drafter",
+    "build_inkling2_tokenizer",
+    "build_tiny_causal_lm",
+    "build_tiny_model",
+    "build_tiny_processor",
+    "default_dspark_config",
+    "eager_attention",
+    "format_plan",
+    "load_mtp_drafter",
+    "memory_plan",
+    "parse_response",
+    "quantize_checkpoint",
+    "refuse_lora_on_quantized_experts",
+    "register_attention_backend",
+    "serve",
+    "tiny_config",
+    "tiny_dspark_config",
+    "tiny_text_config",
+    "train_dspark",
+    "validate_parallel_size",
 ]

@@ -109,7 +109,7 @@ def load(model_path: str | None, device: torch.device, dtype: torch.dtype):
     template and image processor. The processor is None for a text-only checkpoint; the tokenizer is loaded once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .processing_inkling2 import Inkling2Processor
+    from .processing.processing_inkling2 import Inkling2Processor
     from .tiny import TINY_MODEL_LABEL, build_tiny_model, build_tiny_processor
 
     print(f"[model] {TINY_MODEL_LABEL if model_path is None else model_path}", flush=True)
@@ -203,14 +203,14 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> None:
-    from .quantize import quantize_checkpoint
+    from .quantization.quantize import quantize_checkpoint
 
     target = quantize_checkpoint(args.source, args.target, mxfp8_from=args.mxfp8_from)
     print(f"[quantize] wrote {target}")
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from .serving import serve
+    from .serving.server import serve
 
     compile_steps = compile_config(args)
     device = resolve_device(args.device)
@@ -232,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def run_plan(args: argparse.Namespace) -> None:
     from .configuration_inkling2 import Inkling2Config
-    from .planning import format_plan, memory_plan
+    from .parallel.planning import format_plan, memory_plan
 
     config = Inkling2Config.from_pretrained(args.config) if args.config else Inkling2Config()
     plan = memory_plan(config, args.variant, args.tp, args.ep, args.context, args.batch, args.prefill_chunk)
@@ -243,7 +243,7 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def run_train_dspark(args: argparse.Namespace) -> None:
-    from .dspark_training import (
+    from .dspark.training import (
         attach_new_drafter,
         default_dspark_config,
         offline_english_corpus,

@@ -10,8 +10,6 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-from .tensor_parallel import TEXT_MODEL_EP_PLAN, TEXT_MODEL_TP_PLAN
-
 SLIDING_LAYER = "hybrid_sliding"
 FULL_LAYER = "hybrid"
 LAYER_TYPES = (SLIDING_LAYER, FULL_LAYER)
@@ -23,18 +21,29 @@ def default_layer_types(num_hidden_layers: int, full_attention_every: int = 6) -
     return [FULL_LAYER if (i + 1) % full_attention_every == 0 else SLIDING_LAYER for i in range(num_hidden_layers)]
 
 
-class ReadsExpertStorage:
-    """Config loading also reads the checkpoint's tensor headers: how the routed experts are stored (BF16, NVFP4,
-    MXFP8, per layer) decides which expert modules the model builds."""
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        from .quantized_checkpoints import attach_expert_quantization
-
-        loaded = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        config = loaded[0] if kwargs.get("return_unused_kwargs") else loaded
-        attach_expert_quantization(config, pretrained_model_name_or_path, kwargs.get("revision"))
-        return loaded
+# `from_pretrained(..., tp_plan="auto")` under torchrun: what each rank holds (`parallel/tensor_parallel.py` has the
+# `inkling2_*` styles and says why). Keys are relative to the text decoder; models holding one prefix them.
+ATTENTION = "layers.*.self_attn"
+TEXT_MODEL_TP_PLAN = {
+    "embed_tokens": "replicate",  # named, so that transformers does not split it by vocabulary on its own
+    ATTENTION: "inkling2_attention",
+    **{f"{ATTENTION}.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj", "r_proj", "gate_proj", "sink_proj")},
+    f"{ATTENTION}.o_proj": "inkling2_rowwise",
+    f"{ATTENTION}.q_l2_clip": "inkling2_head_rows",  # scale [heads, head_dim]
+    f"{ATTENTION}.rel_l2_clip": "inkling2_head_rows",  # scale [heads, d_rel]
+    f"{ATTENTION}.k_sconv.conv1d": "inkling2_head_rows",  # sliding layers: weight [kv_heads * head_dim, 1, k]
+    f"{ATTENTION}.v_sconv.conv1d": "inkling2_head_rows",
+    f"{ATTENTION}.k_sconv": "inkling2_head_columns",  # full layers: static_weight [k, kv_heads * head_dim]
+    f"{ATTENTION}.v_sconv": "inkling2_head_columns",
+    f"{ATTENTION}.k_sconv.weight_proj": "colwise",  # full layers: rows kv_head * k + lag
+    f"{ATTENTION}.v_sconv.weight_proj": "colwise",
+    "layers.*.mlp.experts": "inkling2_experts",
+}
+TEXT_MODEL_EP_PLAN = {
+    # a plan names parameters only, and the packed experts are buffers: the MoE block's rule splits all of them
+    "layers.*.mlp": "inkling2_expert_blocks",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+}
 
 DSPARK_HEAD_TYPES = ("rnn", "vanilla")
 
@@ -122,7 +131,7 @@ class Inkling2DSparkConfig(PreTrainedConfig):
 
 
 @strict
-class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
+class Inkling2TextConfig(PreTrainedConfig):
     r"""
     The MoE text decoder.
 
@@ -155,7 +164,6 @@ class Inkling2TextConfig(ReadsExpertStorage, PreTrainedConfig):
 
     model_type = "inkling2_text"
     base_config_key = "text_config"
-    # `from_pretrained(..., tp_plan="auto")` under torchrun: attention by heads, experts in blocks (`tensor_parallel`)
     base_model_tp_plan = TEXT_MODEL_TP_PLAN
     base_model_ep_plan = TEXT_MODEL_EP_PLAN
     sub_configs_defaults = {"dspark_config": SubConfigSpec(Inkling2DSparkConfig, optional=True)}
@@ -332,7 +340,7 @@ class Inkling2VisionConfig(PreTrainedConfig):
 
 
 @strict
-class Inkling2Config(ReadsExpertStorage, PreTrainedConfig):
+class Inkling2Config(PreTrainedConfig):
     r"""
     The multimodal Inkling-2-Small: a text decoder and a ViT whose features replace image placeholder tokens.
 

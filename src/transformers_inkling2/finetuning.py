@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .experts import Inkling2QuantizedExperts
+from .quantization.experts import Inkling2QuantizedExperts
 
 DEFAULT_LORA_TARGET_MODULES = r"(?:.*\.)?(?:model|language_model)\.layers\.\d+\.self_attn\.(?:q|k|v|r|o|gate)_proj"
 EXPERT_LORA_TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

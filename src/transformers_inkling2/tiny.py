@@ -82,7 +82,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch
 
 def build_tiny_causal_lm(seed: int = 0, **config_overrides):
     """The embedded text model, deterministic for a given seed."""
-    from .modeling_inkling2_text import Inkling2ForCausalLM
+    from .modeling.modeling_inkling2_text import Inkling2ForCausalLM
 
     model = Inkling2ForCausalLM(tiny_text_config(**config_overrides))
     return randomize_(model, seed).eval()
@@ -91,7 +91,7 @@ def build_tiny_causal_lm(seed: int = 0, **config_overrides):
 def build_tiny_model(seed: int = 0, dspark: bool = False, **text_overrides):
     """The embedded multimodal model (`Inkling2ForConditionalGeneration`), deterministic for a given seed; with a
     (random) DSpark drafter when `dspark`."""
-    from .modeling_inkling2 import Inkling2ForConditionalGeneration
+    from .modeling.modeling_inkling2 import Inkling2ForConditionalGeneration
 
     config = tiny_config(**text_overrides)
     if dspark:
@@ -101,8 +101,8 @@ def build_tiny_model(seed: int = 0, dspark: bool = False, **text_overrides):
 
 def build_tiny_processor():
     """The real tokenizer, chat template and image processor."""
-    from .image_processing_inkling2 import Inkling2ImageProcessorPil
-    from .processing_inkling2 import Inkling2Processor
-    from .tokenization_inkling2 import build_inkling2_tokenizer
+    from .processing.image_processing_inkling2 import Inkling2ImageProcessorPil
+    from .processing.processing_inkling2 import Inkling2Processor
+    from .processing.tokenization_inkling2 import build_inkling2_tokenizer
 
     return Inkling2Processor(image_processor=Inkling2ImageProcessorPil(), tokenizer=build_inkling2_tokenizer())

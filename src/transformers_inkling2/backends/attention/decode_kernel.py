@@ -1,0 +1,187 @@
+"""The decode / verification attention of `inkling2_decode_attention` (1-8 queries) as one fused Triton kernel.
+
+The PyTorch path launches about twenty small kernels per layer (two batched GEMMs whose shapes cuBLAS handles
+poorly, the bias scatter, masks, softmax pieces) for work that is a single read of the layer's keys and values.
+Here a program owns one (batch row, kv head) pair and a slice of the keys (split-K, so that a batch-1 step still
+spreads over the GPU): the query heads of that kv head are folded into the rows of one tile (row r = group g,
+query i), scores come from one MMA per key block, the relative bias is read at distance `p_i - p_j` straight from
+the [B, H, Q, extent] relative logits, masks (causal, window, padding) are computed from positions, and the softmax
+runs online. A second kernel merges the slices and the sink by log-sum-exp:
+
+    out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)),   M = max(m_s..., sink).
+
+Keys may sit in any order (the static cache's rings): nothing here assumes ascending positions. No host
+synchronization: grids depend on shapes only, so a decode step with this kernel can be captured in a CUDA graph.
+Imported only when a CUDA tensor reaches the decode path (triton is not a CPU dependency).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import (
+    LOG2E,
+    attention_output_like,
+    kernel_inputs,
+    online_softmax_step,
+    tile_scores,
+    visible_keys,
+)
+
+BLOCK_KEYS = 64
+MAX_ROWS = 64  # folded rows of one tile: its fp32 output accumulator stays in registers
+MIN_PROGRAMS = 264  # two per SM of an H100/H200: below this, keys are split further
+
+
+# kernel signatures and pointer arithmetic read better packed
+# fmt: off
+@triton.jit
+def _folded_rows(pair, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr):
+    """The (batch row, kv head) of program `pair` and its tile rows: row r is query r % QUERIES of query head
+    kv_head * GROUPS + r // QUERIES; rows past GROUPS * QUERIES are padding (clamped to a valid head and query)."""
+    b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS  # 64-bit offsets: a batch of long caches passes 2^31
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < GROUPS * QUERIES
+    query = tl.where(row_ok, rows % QUERIES, 0)
+    head = kv_head * GROUPS + tl.where(row_ok, rows // QUERIES, 0)
+    return b, kv_head, rows, row_ok, query, head
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, rl_ptr, qpos_ptr, kpos_ptr, pad_ptr, m_ptr, l_ptr, acc_ptr, stride_qb, stride_qh, stride_qq,
+    stride_kb, stride_kh, stride_kk, stride_vb, stride_vh, stride_vk, stride_rb, stride_rh, stride_rq, stride_pb,
+    key_length, keys_per_split, num_splits, extent, window, scaling, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr,
+    QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BN: tl.constexpr, HAS_PADDING: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """grid (batch * kv_heads, splits): running max m, sum l and unnormalized output acc of each row over the
+    keys [split * keys_per_split, ...) of one kv head."""
+    pair, split = tl.program_id(0), tl.program_id(1)
+    b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
+    dims = tl.arange(0, DIM)
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qq + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    query_position = tl.load(qpos_ptr + query)
+    bias_rows = rl_ptr + b * stride_rb + head * stride_rh + query * stride_rq
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+
+    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, DIM), dtype=tl.float32)
+    start = split * keys_per_split
+    stop = tl.minimum(start + keys_per_split, key_length)
+    for k0 in range(start, stop, BN):
+        cols = k0 + tl.arange(0, BN)
+        col_ok = cols < stop
+        k = tl.load(k_base + cols[:, None] * stride_kk + dims[None, :], mask=col_ok[:, None], other=0.0)
+        scores = tile_scores(q, k, DOT_FP32)
+        key_position = tl.load(kpos_ptr + cols, mask=col_ok, other=0)
+        distance = query_position[:, None] - key_position[None, :]
+        visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
+                               HAS_PADDING)
+        bias = tl.load(bias_rows[:, None] + distance, mask=visible & (distance < extent), other=0.0)
+        scores = tl.where(visible, (scores * scaling + bias.to(tl.float32)) * LOG2E, float("-inf"))
+        v = tl.load(v_base + cols[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
+        m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
+    part = pair * num_splits + split
+    tl.store(m_ptr + part * ROWS + rows, m)
+    tl.store(l_ptr + part * ROWS + rows, l)
+    tl.store(acc_ptr + (part * ROWS + rows[:, None]) * DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, stride_sb, stride_sh, stride_sq, stride_ob, stride_oq, stride_oh,
+    num_splits, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
+    DIM: tl.constexpr,
+):
+    """grid (batch * kv_heads,): the splits and the sink merged by log-sum-exp, in a fixed order (deterministic)."""
+    pair = tl.program_id(0)
+    b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
+    dims = tl.arange(0, DIM)
+    sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + query * stride_sq).to(tl.float32) * LOG2E
+    top = sink  # base 2, as the splits' maxima
+    for s in range(num_splits):
+        top = tl.maximum(top, tl.load(m_ptr + (pair * num_splits + s) * ROWS + rows))
+    denominator = tl.exp2(sink - top)
+    numerator = tl.zeros((ROWS, DIM), dtype=tl.float32)
+    for s in range(num_splits):
+        part = pair * num_splits + s
+        weight = tl.exp2(tl.load(m_ptr + part * ROWS + rows) - top)  # 2^-inf = 0 for a split that saw nothing
+        denominator += weight * tl.load(l_ptr + part * ROWS + rows)
+        numerator += weight[:, None] * tl.load(acc_ptr + (part * ROWS + rows[:, None]) * DIM + dims[None, :])
+    out = numerator / denominator[:, None]
+    destination = out_ptr + b * stride_ob + query[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :]
+    tl.store(destination, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# fmt: on
+
+
+def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Shapes the kernel takes: a power-of-two head dim of at least 16, at most MAX_ROWS folded rows (query heads
+    per kv head x queries: 48 for Inkling-2-Small verifying 8 tokens), and the inputs' dtypes alike."""
+    head_dim = query.shape[-1]
+    rows = query.shape[1] // key.shape[1] * query.shape[2]
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and rows <= MAX_ROWS and query.dtype == key.dtype
+
+
+@torch.library.custom_op("inkling2::decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    relative_logits: torch.Tensor,
+    sinks: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    sliding_window: int | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Same contract as `attention.eager_attention` (query [B, H, Q, D], key/value [B, Hkv, K, D] in any slot order,
+    relative_logits [B, H, Q, extent], sinks [B, H, Q]) -> [B, Q, H, D]. A custom op: `torch.compile` (the compiled
+    decode steps) calls it as it is instead of tracing and recompiling the kernels."""
+    batch, heads, queries, head_dim = query.shape
+    kv_heads, key_length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    rows = max(16, triton.next_power_of_2(groups * queries))
+    pairs = batch * kv_heads
+    # split the keys until the grid fills the GPU; slices are whole key blocks
+    blocks = triton.cdiv(key_length, BLOCK_KEYS)
+    splits = max(1, min(blocks, triton.cdiv(MIN_PROGRAMS, pairs)))
+    keys_per_split = triton.cdiv(blocks, splits) * BLOCK_KEYS
+    splits = triton.cdiv(key_length, keys_per_split)
+
+    query, key, value, relative_logits, padding, fp32 = kernel_inputs(query, key, value, relative_logits, key_padding)
+    device = query.device
+    m = torch.empty(pairs * splits * rows, dtype=torch.float32, device=device)
+    l = torch.empty_like(m)
+    acc = torch.empty(pairs * splits * rows, head_dim, dtype=torch.float32, device=device)
+    output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=device)
+    constants = dict(KV_HEADS=kv_heads, GROUPS=groups, QUERIES=queries, ROWS=rows, DIM=head_dim)
+    _decode_partial_kernel[(pairs, splits)](
+        query, key, value, relative_logits, query_positions.contiguous(), key_positions.contiguous(), padding,
+        m, l, acc,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        relative_logits.stride(0), relative_logits.stride(1), relative_logits.stride(2), padding.stride(0),
+        key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling,
+        BN=BLOCK_KEYS, HAS_PADDING=key_padding is not None, HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32,
+        num_warps=4, **constants,
+    )  # fmt: skip
+    _decode_merge_kernel[(pairs,)](
+        m, l, acc, sinks, output, sinks.stride(0), sinks.stride(1), sinks.stride(2),
+        output.stride(0), output.stride(1), output.stride(2), splits, num_warps=4, **constants,
+    )  # fmt: skip
+    return output
+
+
+decode_attention.register_fake(attention_output_like)
+
+
+__all__ = ["decode_attention", "supports"]

@@ -1,0 +1,816 @@
+"""The Inkling2 text decoder, read top to bottom: norms and clips, short convolutions, attention, the MoE,
+block attention residuals, the decoder layer, the base model and the causal-LM head.
+
+This is the plain reference implementation: every step in the precision the original runs it in (fp32 for norms,
+convolutions, routing, attention-residual mixing and logits). Faster paths plug in through the registries of
+`interfaces` (attention backends, expert storages, kernels for a prompt's convolutions, the routed experts and the
+relative-logits layout, loading and generation hooks), without changing this file's numerics; this file imports none
+of them.
+"""
+
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
+
+from ..cache.common import (
+    K_CONV,
+    MAX_STEP_TOKENS,
+    POST_ATTENTION_CONV,
+    POST_MLP_CONV,
+    V_CONV,
+    join_convolution_context,
+)
+from ..cache.dynamic import Inkling2Cache
+from ..cache.static import Inkling2StaticCache
+from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
+from .attention import get_attention_backend
+from .experts import Inkling2Experts, softcap
+from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
+from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
+from .norms import Inkling2RMSNorm, rms_normalize
+from .tensors import local_tensor
+
+logger = logging.get_logger(__name__)
+
+
+def l2_clip(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Scales each vector (last dim) down to L2 norm `threshold` when longer; in fp32."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * (threshold / (norm + 1e-6)).clamp(max=1.0)
+
+
+class Inkling2ScaledL2Clip(nn.Module):
+    """A learned per-head, per-channel scale followed by an L2 clip (queries and relative states)."""
+
+    def __init__(self, num_heads: int, head_dim: int, threshold: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.threshold = threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return l2_clip(x.float() * local_tensor(self.scale).float(), self.threshold)
+
+
+class Inkling2NormedEmbedding(nn.Embedding):
+    """Token embedding followed by an RMSNorm (`embed_norm`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, eps: float):
+        super().__init__(num_embeddings, embedding_dim)
+        self.embed_norm = Inkling2RMSNorm(embedding_dim, eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(super().forward(input_ids))
+
+
+class Inkling2RelativeLogits(nn.Module):
+    """A bank of `d_rel` bias-versus-distance profiles; each query head mixes them with its relative state."""
+
+    def __init__(self, d_rel: int, extent: int):
+        super().__init__()
+        self.proj = nn.Parameter(torch.empty(d_rel, extent))
+
+    def forward(self, relative_states: torch.Tensor) -> torch.Tensor:
+        """[batch, queries, heads, d_rel] -> [batch, heads, queries, extent] bias per backward distance (for prompts,
+        the same product in the layout the prefill kernel reads, where one is registered)."""
+        weight = self.proj.to(relative_states.dtype)
+        layout = KERNELS.optional("relative_logits_layout")
+        if layout is None or relative_states.shape[1] <= MAX_STEP_TOKENS:
+            return (relative_states @ weight).transpose(1, 2)
+        return layout(relative_states.transpose(1, 2), weight)
+
+
+# --- short convolutions -------------------------------------------------------------------------------------------
+
+
+def convolution_context(
+    inputs: torch.Tensor, kernel_size: int, cache, layer_idx: int, conv_idx: int, query_positions: torch.Tensor
+) -> torch.Tensor:
+    """[batch, C, T] inputs preceded by the `kernel_size - 1` inputs before them (zeros at the sequence start)."""
+    if cache is None:
+        return join_convolution_context(inputs.new_zeros(*inputs.shape[:-1], kernel_size - 1), inputs)
+    return cache.convolution_context(layer_idx, conv_idx, inputs, kernel_size, query_positions)
+
+
+def zero_padding(x: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zeroes padded tokens so that they never leak into a convolution."""
+    return x if token_mask is None else x * token_mask[:, :, None].to(x.dtype)
+
+
+class Inkling2ShortConvolution(nn.Module):
+    """Causal depthwise convolution with a residual, in fp32: `(conv(x) + x) / sqrt(k + 1)`."""
+
+    def __init__(self, channels: int, kernel_size: int, layer_idx: int, conv_idx: int):
+        super().__init__()
+        self.kernel_size, self.layer_idx, self.conv_idx = kernel_size, layer_idx, conv_idx
+        self.conv1d = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x, token_mask=None, cache=None, query_positions=None):
+        x32 = x.float()
+        inputs = zero_padding(x32, token_mask).transpose(1, 2)
+        context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx, query_positions)
+        weight = local_tensor(self.conv1d.weight).float()  # this rank's channels under tensor parallelism
+        fused = KERNELS.optional("prompt_convolution")
+        output = None if fused is None else fused(context, x, weight, math.sqrt(self.kernel_size + 1))
+        if output is not None:
+            return output
+        convolved = F.conv1d(context, weight, groups=context.shape[1]).transpose(1, 2)
+        return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)
+
+
+class Inkling2DynamicShortConvolution(nn.Module):
+    """Causal convolution whose taps are static per-channel weights plus per-token taps projected from the layer
+    input (one set per key/value head): `(conv(x) + x) / sqrt(2k + 1)`. `static_weight[lag]` weights the token
+    `lag` steps back. Used on keys and values of the full-attention layers. Under tensor parallelism it holds the
+    channels and taps of this rank's kv heads; the head count is read from the projected taps."""
+
+    def __init__(self, channels: int, input_size: int, num_heads: int, kernel_size: int, layer_idx: int, conv_idx: int):
+        super().__init__()
+        self.kernel_size, self.layer_idx, self.conv_idx, self.num_heads = kernel_size, layer_idx, conv_idx, num_heads
+        self.static_weight = nn.Parameter(torch.zeros(kernel_size, channels))
+        self.weight_proj = nn.Linear(input_size, num_heads * kernel_size, bias=False)
+
+    def forward(self, x, tap_input, token_mask=None, cache=None, query_positions=None):
+        batch, length, channels = x.shape
+        k = self.kernel_size
+        x32 = x.float()
+        inputs = zero_padding(x32, token_mask).transpose(1, 2)
+        context = convolution_context(inputs, k, cache, self.layer_idx, self.conv_idx, query_positions)
+        # lagged[b, t, c, lag] = input of token t - lag
+        lagged = context.unfold(-1, k, 1).flip(-1).transpose(1, 2)
+        per_token_taps = self.weight_proj(tap_input).float().view(batch, length, -1, 1, k)
+        heads = per_token_taps.shape[2]
+        static_taps = local_tensor(self.static_weight).float().T.reshape(heads, channels // heads, k)
+        taps = (static_taps + per_token_taps).reshape(batch, length, channels, k)
+        convolved = (lagged * taps).sum(-1)
+        return ((convolved + x32) / math.sqrt(2 * k + 1)).to(x.dtype)
+
+
+# --- attention ----------------------------------------------------------------------------------------------------
+
+
+class Inkling2Attention(nn.Module):
+    """Gated attention with relative bias and a per-token sink.
+
+    Queries are scaled per head and L2-clipped, keys pass a short convolution and an L2 clip, values a short
+    convolution and an RMS norm; relative states are scaled and clipped. Full-attention layers convolve keys and
+    values dynamically, take separate q/k/v inputs and scale queries and relative states up logarithmically with
+    the position. The output is gated by `sigmoid(gate_proj(x))` before `o_proj`.
+
+    Under tensor parallelism (`tensor_parallel`) a rank holds a block of query heads and their kv heads: activations
+    are reshaped with `-1` heads, so `num_heads` / `num_key_value_heads` stay the model's totals.
+    """
+
+    def __init__(self, config: Inkling2TextConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_sliding = config.layer_types[layer_idx] == SLIDING_LAYER
+        prefix = "swa_" if self.is_sliding else ""
+        self.num_heads = getattr(config, f"{prefix}num_attention_heads")
+        self.num_key_value_heads = getattr(config, f"{prefix}num_key_value_heads")
+        self.head_dim = getattr(config, f"{prefix}head_dim")
+        self.sliding_window = config.sliding_window_size if self.is_sliding else None
+        self.scaling = self.head_dim**-0.5
+        hidden, kv_width = config.hidden_size, self.num_key_value_heads * self.head_dim
+
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.r_proj = nn.Linear(hidden, self.num_heads * config.d_rel, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.sink_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        if self.is_sliding:
+            self.k_sconv = Inkling2ShortConvolution(kv_width, config.conv_kernel_size, layer_idx, K_CONV)
+            self.v_sconv = Inkling2ShortConvolution(kv_width, config.conv_kernel_size, layer_idx, V_CONV)
+        else:
+            conv_args = (kv_width, hidden, self.num_key_value_heads, config.conv_kernel_size, layer_idx)
+            self.k_sconv = Inkling2DynamicShortConvolution(*conv_args, K_CONV)
+            self.v_sconv = Inkling2DynamicShortConvolution(*conv_args, V_CONV)
+        extent = config.sliding_window_size if self.is_sliding else config.rel_extent
+        self.rel_logits_proj = Inkling2RelativeLogits(config.d_rel, extent)
+        self.q_l2_clip = Inkling2ScaledL2Clip(self.num_heads, self.head_dim, config.qk_l2_clip_threshold)
+        self.rel_l2_clip = Inkling2ScaledL2Clip(self.num_heads, config.d_rel, config.rel_l2_clip_threshold)
+
+    def log_scale(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """`tau = 1 + alpha * log(max(1, (pos + 1) / n_floor))`, [batch or 1, T, 1, 1], fp32."""
+        ratio = (position_ids.float() + 1) / self.config.log_scaling_n_floor
+        return (1 + self.config.log_scaling_alpha * torch.log(ratio.clamp(min=1.0)))[..., None, None]
+
+    def forward(
+        self,
+        query_input: torch.Tensor,
+        key_input: torch.Tensor,
+        value_input: torch.Tensor,
+        position_ids: torch.Tensor,
+        query_positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Inkling2Cache | None,
+    ) -> torch.Tensor:
+        batch, length, _ = query_input.shape
+        dtype = query_input.dtype
+        token_mask = None if attention_mask is None else attention_mask[:, -length:]
+
+        if self.is_sliding:
+            keys = self.k_sconv(self.k_proj(key_input), token_mask, cache, query_positions)
+            values = self.v_sconv(self.v_proj(value_input), token_mask, cache, query_positions)
+        else:
+            keys = self.k_sconv(self.k_proj(key_input), key_input, token_mask, cache, query_positions)
+            values = self.v_sconv(self.v_proj(value_input), value_input, token_mask, cache, query_positions)
+
+        queries = self.q_l2_clip(self.q_proj(query_input).view(batch, length, -1, self.head_dim))
+        relative_states = self.rel_l2_clip(self.r_proj(query_input).view(batch, length, -1, self.config.d_rel))
+        if not self.is_sliding:
+            tau = self.log_scale(position_ids)
+            queries, relative_states = queries * tau, relative_states * tau
+        queries = queries.to(dtype).transpose(1, 2)
+        relative_states = relative_states.to(dtype)
+        keys = l2_clip(keys.view(batch, length, -1, self.head_dim).float(), self.config.qk_l2_clip_threshold)
+        keys = keys.to(dtype).transpose(1, 2)
+        values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
+        values = values.to(dtype).transpose(1, 2)
+
+        key_positions, key_padding, in_order = query_positions, attention_mask, True
+        if cache is not None:
+            keys, values, key_positions, key_padding, in_order = cache.attention_keys(
+                self.layer_idx, keys, values, query_positions, attention_mask
+            )
+        attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
+        output = attention(
+            queries,
+            keys,
+            values,
+            relative_logits=self.rel_logits_proj(relative_states),
+            sinks=self.sink_proj(query_input).transpose(1, 2),
+            query_positions=query_positions,
+            key_positions=key_positions,
+            key_padding=key_padding,
+            sliding_window=self.sliding_window,
+            scaling=self.scaling,
+        )
+        output = output.reshape(batch, length, -1).float() * torch.sigmoid(self.gate_proj(query_input).float())
+        return self.o_proj(output.to(dtype))
+
+
+# --- mixture of experts -------------------------------------------------------------------------------------------
+
+
+class Inkling2TopKRouter(nn.Module):
+    """Sigmoid scores; the top-k of `scores + e_score_correction_bias` are chosen, weighted by their normalized
+    scores times `route_scale`. In fp32."""
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.route_scale = config.route_scale
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits)
+        chosen = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, chosen)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        return logits, weights, chosen
+
+
+class Inkling2SparseMoeBlock(nn.Module):
+    def __init__(self, config: Inkling2TextConfig, layer_idx: int):
+        super().__init__()
+        self.gate = Inkling2TopKRouter(config)
+        expert_format = config.expert_format(layer_idx)
+        storage = EXPERT_STORAGES.get(expert_format)
+        if expert_format == "bf16":
+            self.experts = storage(config)
+        else:
+            quantization = config.expert_quantization
+            self.experts = storage(
+                config,
+                expert_format,
+                outer_scales=tuple(quantization.get("nvfp4_outer_scales", ())),
+                per_half=quantization.get("nvfp4_outer_per_half", False),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, expert_ids = self.gate(flat)
+        return self.experts(flat, expert_ids, weights).view_as(x)
+
+
+# --- block attention residuals ------------------------------------------------------------------------------------
+
+
+class Inkling2BlockAttentionResidual(nn.Module):
+    """Replaces a residual connection: learned queries attend (softmax over blocks, scale 1/sqrt(hidden)) over the
+    RMS-normalized stack [completed blocks..., current partial block]. In fp32; one output per query. The completed
+    blocks arrive already normalized (fp32): they never change, and every later mix reads them."""
+
+    def __init__(self, config: Inkling2TextConfig, num_queries: int = 1):
+        super().__init__()
+        shape = (config.hidden_size,) if num_queries == 1 else (num_queries, config.hidden_size)
+        self.query = nn.Parameter(torch.zeros(shape))
+
+    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stack = torch.stack([*blocks, rms_normalize(partial, 1e-6)], dim=-2)
+        queries = self.query.float().view(-1, stack.shape[-1])
+        weights = torch.softmax(torch.einsum("qh,btnh->btqn", queries, stack) / math.sqrt(stack.shape[-1]), -1)
+        return torch.einsum("btqn,btnh->btqh", weights, stack).unbind(-2)
+
+
+# --- decoder layer ------------------------------------------------------------------------------------------------
+
+
+class Inkling2DecoderLayer(GradientCheckpointingLayer):
+    """Attention, then the MoE, each behind a block attention residual and followed by a short convolution.
+
+    The stream is a list of completed blocks (the embedding, then one per `n_layers_per_attn_res_block` layers) and
+    a partial block, the sum of the sublayer outputs since the last boundary. A layer that opens a block moves the
+    partial block into the list (RMS-normalized once, in fp32, as every mix reads it) and restarts it from its
+    attention output.
+    """
+
+    def __init__(self, config: Inkling2TextConfig, layer_idx: int):
+        super().__init__()
+        self.is_sliding = config.layer_types[layer_idx] == SLIDING_LAYER
+        self.opens_block = layer_idx % config.n_layers_per_attn_res_block == 0
+        # Layer 0 reads the embedding directly; full layers mix separate query, key and value inputs.
+        num_inputs = 1 if self.is_sliding else 3
+        self.attention_input = Inkling2BlockAttentionResidual(config, num_inputs) if layer_idx > 0 else None
+        self.mlp_input = Inkling2BlockAttentionResidual(config)
+        self.self_attn = Inkling2Attention(config, layer_idx)
+        self.mlp = Inkling2SparseMoeBlock(config, layer_idx)
+        if self.is_sliding:
+            self.input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.q_input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.k_input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.v_input_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_convolution = Inkling2ShortConvolution(
+            config.hidden_size, config.conv_kernel_size, layer_idx, POST_ATTENTION_CONV
+        )
+        self.post_mlp_convolution = Inkling2ShortConvolution(
+            config.hidden_size, config.conv_kernel_size, layer_idx, POST_MLP_CONV
+        )
+
+    def forward(self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None):
+        dtype = partial.dtype
+        inputs = (partial,) if self.attention_input is None else self.attention_input(blocks, partial)
+        if self.is_sliding:
+            query_input = key_input = value_input = self.input_layernorm(inputs[0]).to(dtype)
+        else:
+            inputs = inputs * 3 if len(inputs) == 1 else inputs
+            norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
+            query_input, key_input, value_input = (norm(x).to(dtype) for norm, x in zip(norms, inputs))
+        attention_output = self.self_attn(
+            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache
+        )
+        token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
+        attention_output = self.post_attention_convolution(attention_output, token_mask, cache, query_positions)
+        attention_output = attention_output.float()
+
+        if self.opens_block:
+            blocks = [*blocks, rms_normalize(partial, 1e-6)]
+            partial = attention_output
+        else:
+            partial = partial.float() + attention_output
+
+        mlp_input = self.mlp_input(blocks, partial)[0]
+        mlp_output = self.mlp(self.post_attention_layernorm(mlp_input).to(dtype))
+        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache, query_positions)
+        return (partial + mlp_output.float()).to(dtype), blocks
+
+
+# --- models -------------------------------------------------------------------------------------------------------
+
+
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+def raise_on_incomplete_load(class_name: str, loading_info: dict) -> None:
+    problems = {kind: sorted(loading_info.get(kind) or ()) for kind in ("missing_keys", "unexpected_keys")}
+    if not any(problems.values()):
+        return
+    listing = "; ".join(
+        f"{kind.replace('_', ' ')} ({len(keys)}): {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}"
+        for kind, keys in problems.items()
+        if keys
+    )
+    raise ValueError(
+        f"The checkpoint does not match {class_name}: {listing}. Names are after conversion from the original "
+        "layout (`model.llm.*`). Check that the checkpoint and the config belong together, or pass "
+        "`allow_incomplete_checkpoint=True` to load it anyway with the missing tensors freshly initialized."
+    )
+
+
+class Inkling2PreTrainedModel(PreTrainedModel):
+    config: Inkling2Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Inkling2DecoderLayer", "Inkling2DSparkDrafter"]  # the drafter on one device
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = False
+    _supports_sdpa = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+    # Run in fp32 in the original, whatever the model dtype.
+    _keep_in_fp32_modules_strict = [
+        "e_score_correction_bias",
+        "mlp.gate.weight",
+        "post_attention_convolution",
+        "post_mlp_convolution",
+        "k_sconv.conv1d",
+        "v_sconv.conv1d",
+        "attention_input",
+        "mlp_input",
+        "final_input",
+    ]
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Our experts read `config._experts_implementation` ("grouped_mm" by default, or "eager")."""
+        return True
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """Our attention reads `config._attn_implementation` at every call (see `attention.ATTENTION_BACKENDS`)."""
+        return True
+
+    def post_init(self):
+        super().post_init()
+        # the fast paths a forward may ask for, imported now rather than inside a traced or captured step
+        ATTENTION_BACKENDS.load()
+        KERNELS.load()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, allow_incomplete_checkpoint=False, **kwargs):
+        """Loads like any transformers model, with the steps registered in `interfaces.LOADING_HOOKS` (the experts'
+        storage read from the tensor headers before the model is built, the bundled drafter, scale checks); but a
+        checkpoint with missing or unexpected tensors is an error (naming them) instead of a warning that leaves part
+        of the model random. Pass `allow_incomplete_checkpoint=True` to accept such a checkpoint, e.g. to initialize
+        new parts."""
+        checkpoint, revision = pretrained_model_name_or_path, kwargs.get("revision")
+        return_info = kwargs.pop("output_loading_info", False)
+        config = kwargs.pop("config", None)
+        if checkpoint is not None:
+            if isinstance(config, PreTrainedConfig):
+                config = copy.deepcopy(config)
+            else:
+                config, kwargs = cls._load_config(config or checkpoint, kwargs)
+            for complete_config in LOADING_HOOKS.stage("config"):
+                complete_config(config, checkpoint, revision)
+        model, info = super().from_pretrained(
+            checkpoint, *model_args, config=config, output_loading_info=True, **kwargs
+        )
+        for finish_loading in LOADING_HOOKS.stage("model"):
+            finish_loading(model, checkpoint, revision, info)
+        if not allow_incomplete_checkpoint:
+            raise_on_incomplete_load(cls.__name__, info)
+        return (model, info) if return_info else model
+
+    @classmethod
+    def _load_config(cls, path, kwargs: dict) -> tuple[PreTrainedConfig, dict]:
+        """The config as `from_pretrained` would load it, so that the config hooks can complete it first: as
+        transformers' Auto classes do, the config takes the keyword arguments that are its fields, and the hub
+        arguments and a requested dtype also go on to the weights."""
+        hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+        config_kwargs = {k: v for k, v in kwargs.items() if k not in hub and not (k == "dtype" and v == "auto")}
+        config, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **hub, **config_kwargs)
+        if kwargs.get("dtype") is not None:
+            unused["dtype"] = kwargs["dtype"]
+        return config, {**unused, **hub}
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """Non-reentrant checkpointing (the default here): the attention-residual blocks travel between layers as a
+        list of tensors, which reentrant checkpointing does not track."""
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        if kwargs["use_reentrant"]:
+            raise ValueError(
+                "Inkling2 supports non-reentrant gradient checkpointing only (its decoder layers pass the attention-"
+                "residual blocks as a list); drop `use_reentrant=True`."
+            )
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.get_text_config().initializer_range
+        if isinstance(module, Inkling2RelativeLogits):
+            module.proj.normal_(0.0, std)
+        elif isinstance(module, Inkling2Experts):
+            module.gate_up_proj.normal_(0.0, std)
+            module.down_proj.normal_(0.0, std)
+        elif isinstance(module, Inkling2TopKRouter):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, Inkling2ScaledL2Clip):
+            module.scale.fill_(1.0)
+        elif isinstance(module, Inkling2DynamicShortConvolution):
+            module.static_weight.zero_()
+        elif isinstance(module, Inkling2BlockAttentionResidual):
+            module.query.zero_()
+        elif isinstance(module, Inkling2DSparkAttention):
+            module.distance_bias.zero_()
+            module.block_bias.zero_()
+        elif isinstance(module, Inkling2DSparkDrafter):
+            module.block_position_embedding.normal_(0.0, std)
+
+
+class Inkling2TextModel(Inkling2PreTrainedModel):
+    config: Inkling2TextConfig
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__(config)
+        self.embed_tokens = Inkling2NormedEmbedding(config.vocab_size, config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Inkling2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.final_input = Inkling2BlockAttentionResidual(config)
+        self.norm = Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Inkling2Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        prefill_chunk_size: int | None = None,
+        cache_position: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
+        `prefill_chunk_size` runs a long input through the layers in chunks of that many tokens, carrying the
+        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`).
+        `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
+        `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
+        block, the stream that speculative drafters tap), the last one after the final readout and norm, as
+        transformers models do. `cache_position` ([new tokens]) gives the new tokens' stream positions on the device
+        (default: right after the cached tokens), which a captured decode step reads instead of a host count; with an
+        `Inkling2StaticCache`, `attention_mask` may then hold just the new tokens' columns."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training and (use_cache or past_key_values is not None):
+            # recomputing a layer in backward would write its cache a second time
+            logger.warning_once("Gradient checkpointing in training: the cache is not used (`use_cache=False`).")
+            use_cache, past_key_values = False, None
+        if use_cache and past_key_values is None:
+            past_key_values = Inkling2Cache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, (Inkling2Cache, Inkling2StaticCache)):
+            raise TypeError(
+                f"Inkling2 needs an `Inkling2Cache` or `Inkling2StaticCache` (they also hold short-convolution "
+                f"states), got {type(past_key_values).__name__}. Pass `past_key_values=None` or an "
+                "`Inkling2Cache(config)`."
+            )
+
+        batch, length, _ = inputs_embeds.shape
+        if prefill_chunk_size is not None and length > prefill_chunk_size:
+            return self.prefill_in_chunks(
+                inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
+            )
+        static = isinstance(past_key_values, Inkling2StaticCache)
+        query_positions, past_length = cache_position, None
+        if query_positions is None or not static:  # a captured step reads no host-side length (Inkling2StaticCache)
+            past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if query_positions is None:
+            query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
+        if position_ids is None:
+            position_ids = query_positions[None]
+        if static:  # it keeps the padding of the cached tokens itself
+            attention_mask = self._new_tokens_mask(attention_mask, batch, length)
+        else:
+            attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
+
+        partial, blocks = inputs_embeds, []
+        layer_outputs = [inputs_embeds]
+        for layer in self.layers:
+            partial, blocks = layer(
+                partial,
+                blocks,
+                position_ids=position_ids,
+                query_positions=query_positions,
+                attention_mask=attention_mask,
+                cache=past_key_values,
+            )
+            layer_outputs.append(partial)
+        hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
+        output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=(*layer_outputs[:-1], hidden_states) if output_hidden_states else None,
+        )
+
+    def prefill_in_chunks(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, chunk_size, **kwargs):
+        """Consecutive slices of the input through the model with one cache: everything in the model is causal, so
+        the result equals one forward over the whole input (the cache is made here, and dropped after, when the
+        caller has none)."""
+        if kwargs.get("output_hidden_states"):
+            raise ValueError("`output_hidden_states` is not available with `prefill_chunk_size`.")
+        cache = Inkling2Cache(self.config) if cache is None else cache
+        past_length = cache.get_seq_length()
+        hidden_states = []
+        for start in range(0, inputs_embeds.shape[1], chunk_size):
+            end = min(start + chunk_size, inputs_embeds.shape[1])
+            output = self(
+                inputs_embeds=inputs_embeds[:, start:end],
+                attention_mask=None if attention_mask is None else attention_mask[:, : past_length + end],
+                position_ids=None if position_ids is None else position_ids[..., start:end],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            hidden_states.append(output.last_hidden_state)
+        return BaseModelOutputWithPast(
+            last_hidden_state=torch.cat(hidden_states, dim=1), past_key_values=cache if use_cache is not False else None
+        )
+
+    @staticmethod
+    def _padding_mask(attention_mask, batch: int, total_length: int) -> torch.Tensor | None:
+        """Checks the 2-D mask; returns None when nothing is padded (the fast, common case)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, total_length):
+            raise ValueError(
+                f"Inkling2 takes a 2-D padding mask of shape [batch, past + new tokens] = {(batch, total_length)}, "
+                f"got {tuple(attention_mask.shape)}. Custom 4-D masks are not supported."
+            )
+        return None if bool(attention_mask.all()) else attention_mask.bool()
+
+    @staticmethod
+    def _new_tokens_mask(attention_mask, batch: int, length: int) -> torch.Tensor | None:
+        """The new tokens' columns of a 2-D mask, without looking at the values (no host synchronization)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
+            raise ValueError(
+                f"Inkling2 takes a 2-D padding mask of shape [batch, past + new tokens] (or [batch, new tokens] with a "
+                f"static cache); got {tuple(attention_mask.shape)} for {batch} rows of {length} new tokens."
+            )
+        return attention_mask[:, -length:].bool()
+
+
+class Inkling2LanguageModelingMixin:
+    """What every Inkling2 model with an `lm_head` shares: the logits, the cache that generate() uses, and the
+    bundled DSpark drafter with `generate(dspark=True)`. Listed first in the bases: it specializes `generate` and
+    the cache preparation of `GenerationMixin` and the PreTrainedModel's `get_compiled_call`."""
+
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # by vocabulary, the logits gathered on every rank
+
+    def init_dspark(self, config: Inkling2TextConfig) -> None:
+        """The drafter when the config describes one (`dspark_config`); it reads this model's hidden states and
+        shares its embedding and lm_head."""
+        text_config = config.get_text_config()
+        dspark_config = text_config.dspark_config
+        self.dspark = None if dspark_config is None else Inkling2DSparkDrafter(dspark_config, text_config.vocab_size)
+
+    def set_dspark(self, drafter: Inkling2DSparkDrafter) -> Inkling2DSparkDrafter:
+        """Installs a drafter built after the model (loaded from `mtp.safetensors`, or new for training): on the
+        embedding's device and dtype, its config recorded in the model's configs so that save_pretrained keeps it."""
+        reference = self.get_input_embeddings().weight
+        self.dspark = drafter.to(device=reference.device, dtype=reference.dtype)
+        text_config = self.config.get_text_config()
+        for config in {id(self.config): self.config, id(text_config): text_config}.values():
+            config.dspark_config = drafter.config
+        return self.dspark
+
+    def dspark_prompt_embeddings(self, input_ids: torch.LongTensor, **model_kwargs) -> torch.Tensor:
+        """The prompt's input embeddings as the first forward would build them (images placed, where there are any)."""
+        return self.get_input_embeddings()(input_ids)
+
+    def generate(self, *args, **kwargs):
+        """`generate()` as usual, through the registered generation hook: with the package's, `dspark=True` (or
+        `dspark: true` in the generation config) decodes with the bundled DSpark drafter (same output as without
+        it, several tokens per target pass; see `docs/dspark.md` and `generation/hooks.py`)."""
+        hook = GENERATION_HOOKS.optional("generate")
+        if hook is None:
+            return super().generate(*args, **kwargs)
+        return hook(self, super().generate, *args, **kwargs)
+
+    def compute_logits(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """lm_head in fp32, softcap, then only the real (unpadded) vocabulary."""
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        text_config = self.config.get_text_config()
+        logits = softcap(self.lm_head(hidden_states).float(), text_config.final_logit_softcapping)
+        return logits[..., : text_config.unpadded_vocab_size]
+
+    def logits_and_loss(self, hidden_states, logits_to_keep=0, labels=None, **loss_kwargs):
+        logits = self.compute_logits(hidden_states, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **loss_kwargs)
+        return logits, loss
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size: int, max_cache_length: int
+    ):
+        """generate() gets an `Inkling2Cache` (keys/values plus convolution states) instead of a DynamicCache, or with
+        `cache_implementation="static"` an `Inkling2StaticCache`, whose decode steps replay as CUDA graphs on GPUs."""
+        implementation = generation_config.cache_implementation
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if implementation not in (None, "dynamic", "static"):
+            raise ValueError(
+                f"Inkling2 decodes with its own caches: `cache_implementation` None/'dynamic' (`Inkling2Cache`) or "
+                f"'static' (`Inkling2StaticCache`, CUDA graphs on GPUs); got {implementation!r}."
+            )
+        if implementation != "static":
+            model_kwargs["past_key_values"] = Inkling2Cache(self.config.get_text_config())
+            return
+        rows = max(generation_config.num_beams, generation_config.num_return_sequences) * batch_size
+        # room for the last token and for one speculative block past it (DSpark verifies up to 8 at a time)
+        length = max(max_cache_length, generation_config.max_cache_len or 0) + 1 + MAX_STEP_TOKENS
+        model_kwargs["past_key_values"] = self.static_cache(rows, length)
+
+    def static_cache(self, batch_size: int, max_cache_len: int) -> Inkling2StaticCache:
+        """An empty static cache for this batch and length: the previous one, reset, when it has that size (its
+        buffers and captured graphs are reused), else a new one."""
+        # buffers made under inference mode (e.g. by `inkling2 serve`) cannot be reset outside it
+        size = (batch_size, max_cache_len, self.device, self.dtype, torch.is_inference_mode_enabled())
+        if getattr(self, "_static_cache_size", None) != size:
+            self._static_cache = Inkling2StaticCache(self.config.get_text_config(), max_cache_len, batch_size)
+            self._static_cache_size = size
+        self._static_cache.reset()
+        return self._static_cache
+
+    @staticmethod
+    def create_masks_for_generate(attention_mask=None, **kwargs):
+        """generate() builds 4-D masks for compileable caches; Inkling2 takes the 2-D padding mask as it is (the
+        static cache keeps the padding of the cached tokens itself)."""
+        return attention_mask
+
+    def get_compiled_call(self, compile_config):
+        """generate() asks for a compiled forward for the decode steps when the cache is static and the model is on a
+        GPU (`disable_compile=True` in the generation config turns that off): the registered generation hook answers
+        (with the package's, decode steps replayed as CUDA graphs, exact against the eager step; see
+        `generation/decode_graphs.py`)."""
+        hook = GENERATION_HOOKS.optional("compiled_call")
+        if hook is None:
+            return super().get_compiled_call(compile_config)
+        return hook(self, compile_config)
+
+
+class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel, GenerationMixin):
+    config: Inkling2TextConfig
+    _tied_weights_keys = {}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _keys_to_ignore_on_load_unexpected = [r"^model\.visual\.", r"^model\.vision_tower\.", r"^mtp\."]
+
+    def __init__(self, config: Inkling2TextConfig):
+        super().__init__(config)
+        self.model = Inkling2TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_dspark(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Inkling2Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        prefill_chunk_size: int | None = None,
+        cache_position: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            prefill_chunk_size=prefill_chunk_size,
+            cache_position=cache_position,
+        )
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+
+
+__all__ = ["Inkling2PreTrainedModel", "Inkling2TextModel", "Inkling2ForCausalLM", "Inkling2LanguageModelingMixin"]

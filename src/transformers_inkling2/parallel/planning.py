@@ -1,0 +1,146 @@
+"""`inkling2 plan`: GPU memory of a checkpoint variant at a tensor/expert-parallel size, context length and batch.
+
+Counted from the config, the way the model stores things (see `memory_plan`):
+- weights: every tensor of the model itself (built on the meta device) at its stored dtype: BF16, fp32 for the
+  modules the original runs in fp32, routed experts packed (MXFP8 1 + 1/32 bytes a weight, NVFP4 1/2 + 1/16 + fp32
+  outer scales). Attention projections and per-head tensors are split over `tp` ranks by heads (key/value ones by
+  kv heads, at most one kv head per rank), routed experts over `ep` ranks, `lm_head` by vocabulary; the embedding,
+  router, norms, attention-residual queries and the ViT are replicated.
+- cache: full-attention layers hold `context` keys and values per sequence, sliding layers `window - 1 + 8`; both
+  split over `tp` by kv heads (a rank keeps its kv heads; with more ranks than kv heads each rank keeps one); four
+  short-convolution states per layer of `kernel - 1 + 8` fp32 inputs.
+- activations: the largest transient of one prefill chunk, dominated by the relative logits of one layer
+  (`chunk * heads / tp * extent`) and the MoE's sorted activations (`chunk * top_k * 2 * intermediate`), in fp32,
+  plus the fp32 attention-residual block states of the chunk; with the default chunk (16,384 tokens) a few GB.
+The result is an estimate for planning, not a promise: the CUDA allocator, NCCL buffers and CUDA graphs add
+hundreds of MB to a few GB per GPU.
+"""
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.common import MAX_STEP_TOKENS
+from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2TextConfig
+
+GIB = 2**30
+VARIANTS = {
+    "nvfp4-mxfp8": lambda layer: "nvfp4" if layer < 40 else "mxfp8",  # thinkingmachines/Inkling-2-Small
+    "mxfp8": lambda layer: "mxfp8",  # thinkingmachines/Inkling-2-Small-MXFP8
+    "bf16": lambda layer: "bf16",
+}
+
+
+@dataclass
+class MemoryPlan:
+    weights: float
+    kv_cache: float
+    conv_states: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache + self.conv_states + self.activations
+
+    def gib(self) -> dict[str, float]:
+        return {name: value / GIB for name, value in {**self.__dict__, "total": self.total}.items()}
+
+
+# per-head (or per-kv-head) tensors that tensor parallelism splits over ranks
+SPLIT_BY_HEADS = re.compile(r"self_attn\.(q_proj|r_proj|o_proj|gate_proj|sink_proj|q_l2_clip|rel_l2_clip)\.")
+SPLIT_BY_KV_HEADS = re.compile(r"self_attn\.(k_proj|v_proj|k_sconv|v_sconv)\.")
+
+
+def expert_quantization(text: Inkling2TextConfig, variant: str) -> dict | None:
+    formats = [VARIANTS[variant](layer) for layer in range(text.num_hidden_layers)]
+    if set(formats) == {"bf16"}:
+        return None
+    return {"formats": formats, "nvfp4_outer_scales": ["scale_2"], "nvfp4_outer_per_half": True}
+
+
+def weight_bytes(config: Inkling2Config | Inkling2TextConfig, variant: str, tp: int, ep: int) -> float:
+    """Bytes of one rank's weights, counted on the model itself built on the meta device (no memory): every
+    tensor at its stored dtype (BF16, the fp32-kept modules in fp32, packed experts as packed), divided over the
+    ranks that split it."""
+    from ..modeling.modeling_inkling2 import Inkling2ForConditionalGeneration
+    from ..modeling.modeling_inkling2_text import Inkling2ForCausalLM
+    from ..quantization.experts import Inkling2QuantizedExperts
+
+    config = copy.deepcopy(config)
+    text = config.get_text_config()
+    text.expert_quantization = expert_quantization(text, variant)
+    model_class = Inkling2ForConditionalGeneration if isinstance(config, Inkling2Config) else Inkling2ForCausalLM
+    with torch.device("meta"):
+        model = model_class(config)
+    keep_fp32 = model._keep_in_fp32_modules_strict
+    kv_split = min(tp, text.num_key_value_heads, text.swa_num_key_value_heads)
+    total = 0.0
+    packed = {f"{name}." for name, module in model.named_modules() if isinstance(module, Inkling2QuantizedExperts)}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if any(name.startswith(prefix) for prefix in packed):  # packed experts keep their own dtypes
+            size = tensor.dtype.itemsize
+        else:
+            size = 4 if any(pattern in name for pattern in keep_fp32) else 2
+        ranks = 1
+        if name.startswith("dspark."):  # the DSpark drafter is replicated
+            pass
+        elif ".mlp.experts." in name:
+            ranks = ep
+        elif SPLIT_BY_HEADS.search(name) or name.startswith("lm_head"):
+            ranks = tp
+        elif SPLIT_BY_KV_HEADS.search(name):
+            ranks = kv_split
+        total += tensor.numel() * size / ranks
+    return total
+
+
+def memory_plan(
+    config: Inkling2Config | Inkling2TextConfig,
+    variant: str = "nvfp4-mxfp8",
+    tp: int = 1,
+    ep: int | None = None,
+    context: int = 262_144,
+    batch: int = 1,
+    prefill_chunk: int = 16_384,
+) -> MemoryPlan:
+    """Bytes per GPU; see the module docstring for what is counted and how."""
+    text = config.get_text_config()
+    ep = tp if ep is None else ep
+    if variant not in VARIANTS:
+        raise ValueError(f"Unknown checkpoint variant {variant!r}: one of {sorted(VARIANTS)}.")
+    if text.num_attention_heads % tp or text.swa_num_attention_heads % tp or text.n_routed_experts % ep:
+        raise ValueError(
+            f"TP {tp} must divide the attention heads ({text.num_attention_heads}) and EP {ep} the experts "
+            f"({text.n_routed_experts})."
+        )
+    hidden, inner = text.hidden_size, text.moe_intermediate_size
+    weights = weight_bytes(config, variant, tp, ep)
+
+    kv_cache = conv_states = 0.0
+    for layer in range(text.num_hidden_layers):
+        sliding = text.layer_types[layer] != FULL_LAYER
+        prefix = "swa_" if sliding else ""
+        kv_heads = getattr(text, f"{prefix}num_key_value_heads")
+        local_kv_heads = max(1, kv_heads // tp)
+        keys = min(context, text.sliding_window_size - 1 + MAX_STEP_TOKENS) if sliding else context
+        kv_cache += batch * 2 * keys * local_kv_heads * getattr(text, f"{prefix}head_dim") * 2.0
+        kv_width = local_kv_heads * getattr(text, f"{prefix}head_dim")
+        conv_states += batch * (2 * kv_width + 2 * hidden) * (text.conv_kernel_size - 1 + MAX_STEP_TOKENS) * 4.0
+
+    chunk = min(prefill_chunk, context)
+    relative_logits = chunk * text.num_attention_heads / tp * text.rel_extent * 4.0
+    moe = chunk * text.num_experts_per_tok * 2 * max(hidden, 2 * inner) * 4.0
+    blocks = chunk * (text.num_hidden_layers // text.n_layers_per_attn_res_block + 2) * hidden * 4.0
+    activations = batch * (relative_logits + moe + blocks)
+    return MemoryPlan(weights, kv_cache, conv_states, activations)
+
+
+def format_plan(plan: MemoryPlan, gpu_gib: float | None = None) -> str:
+    rows = [f"| {name} | {value:,.2f} |" for name, value in plan.gib().items()]
+    table = "\n".join(["| per GPU | GiB |", "|---|---|", *rows])
+    if gpu_gib is not None:
+        verdict = "fits" if plan.total / GIB <= gpu_gib else "does NOT fit"
+        table += f"\n\n{verdict} in {gpu_gib:g} GiB per GPU"
+    return table

@@ -1,0 +1,198 @@
+"""Tokenizer of Inkling-2-Small: OpenAI's o200k_base BPE plus Thinking Machines' 60 chat special tokens.
+
+The reference implementation is `tml_renderers.tokenizers.O200kBaseChatTokenizer`; this module rebuilds the
+same tokenizer as a `tokenizers` (Rust) backend so it plugs into transformers' fast-tokenizer machinery
+(`save_pretrained`, `from_pretrained`, `AutoTokenizer`, batching, padding, chat templates).
+
+Ids match tml/tiktoken because (1) the pre-tokenizer is tiktoken's o200k regex followed by byte-level
+mapping without prefix space, and (2) the BPE model lists, for every token, each split into two vocabulary
+tokens, ranked by the merged token's rank: this replays tiktoken's "merge the adjacent pair whose
+concatenation has the lowest rank". `ignore_merges=True` mirrors tiktoken's "a piece that is itself a token
+is kept whole" shortcut (a speed-up: every token is also reachable through the merges).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import importlib.resources
+import os
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+from .chat_template import CHAT_TEMPLATE, RESPONSE_TEMPLATE
+
+# tiktoken's o200k_base split pattern (a fact of the encoding; byte-for-byte the same alternatives).
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+NUM_BPE_RANKS = 199_998
+# Special tokens as `tml_renderers.tokenizers.O200kBaseChatTokenizer` lists them (the tests check this
+# table against it): ids 199998..200057 are contiguous; every id not named here is `<|unused_{id}|>`.
+_NAMED_SPECIAL_IDS = {
+    199998: "unused",
+    199999: "endoftext",
+    200000: "message_user",
+    200001: "message_model",
+    200002: "message_system",
+    200003: "message_tool",
+    200004: "content_text",
+    200005: "content_image",
+    200006: "content_model_end_sampling",
+    200008: "content_thinking",
+    200010: "end_message",
+    200020: "content_audio_input",
+    200022: "content_tool_error",
+    200023: "audio",
+    200024: "content_xml",
+    200028: "begin_of_text",
+    200043: "audio_end",
+    200049: "content_invoke_tool_json",
+    200057: "content_invoke_tool_text",
+}
+SPECIAL_TOKENS: dict[str, int] = {
+    f"<|{_NAMED_SPECIAL_IDS.get(i, f'unused_{i}')}|>": i for i in range(NUM_BPE_RANKS, NUM_BPE_RANKS + 60)
+}
+VOCAB_SIZE = NUM_BPE_RANKS + len(SPECIAL_TOKENS)  # 200058; the model pads its embedding to 201024
+
+EOS_TOKEN = "<|content_model_end_sampling|>"  # ends every model turn; the serving stop token
+PAD_TOKEN = "<|endoftext|>"  # never rendered by the chat format, so padding cannot look like a stop
+IMAGE_TOKEN = "<|unused_200054|>"  # one per image feature after `<|content_image|>`
+
+
+def default_tiktoken_path() -> str:
+    """The o200k_base ranks file that ships inside the `tml-renderers` wheel (so no network is needed)."""
+    return str(importlib.resources.files("tml_renderers") / "data" / "o200k_base.tiktoken")
+
+
+def load_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Parse a `.tiktoken` file (`base64(token) rank` per line) without depending on `tiktoken`."""
+    ranks = {}
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@functools.lru_cache(maxsize=2)
+def _build_backend_cached(path: str) -> Tokenizer:
+    ranks = load_tiktoken_ranks(path)
+    if len(ranks) != NUM_BPE_RANKS or sorted(ranks.values()) != list(range(NUM_BPE_RANKS)):
+        raise ValueError(f"{path} is not o200k_base: expected ranks 0..{NUM_BPE_RANKS - 1}, got {len(ranks)}")
+    # Byte-level alphabet (GPT-2's printable stand-ins for the 256 bytes), applied with one `str.translate`.
+    byte_chars = bytes_to_unicode()
+    as_str = {token: token.decode("latin-1").translate(byte_chars) for token in ranks}
+    by_rank = sorted(ranks, key=ranks.__getitem__)
+
+    # Every split (left, right) of a token into two tokens becomes a merge ranked with the merged token, so
+    # the BPE model merges whichever adjacent pair forms the lowest-ranked token, exactly like tiktoken.
+    # (Splits of one token keep their left-to-right order; reordering them changed no id on 24M characters.)
+    merges = []
+    for token in by_rank:
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in ranks and right in ranks:
+                merges.append((as_str[left], as_str[right]))
+    vocab = {as_str[token]: rank for token, rank in ranks.items()}
+
+    tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Added in id order, so they land on 199998..200057 right after the BPE ranks.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    assert all(tok.token_to_id(t) == i for t, i in SPECIAL_TOKENS.items()), "special token ids drifted"
+    return tok
+
+
+def build_inkling2_backend(path: str | os.PathLike | None = None) -> Tokenizer:
+    """Build the `tokenizers.Tokenizer` from an o200k_base `.tiktoken` file (default: tml-renderers' copy).
+
+    Takes about 3 s on one CPU core (most of it listing the ~446k merges of 200k ranks); the result is cached
+    per path, and callers get a copy (about 1 s) so they cannot mutate the cached one.
+    """
+    return copy.deepcopy(_build_backend_cached(os.fspath(path or default_tiktoken_path())))
+
+
+class Inkling2Tokenizer(TokenizersBackend):
+    """Fast tokenizer of Inkling-2-Small (o200k_base + 60 special tokens, 200058 ids).
+
+    `Inkling2Tokenizer()` or `Inkling2Tokenizer.from_tiktoken(path)` builds it offline from the tiktoken ranks
+    file; `from_pretrained(dir)` loads a saved `tokenizer.json` as is. Defaults: eos is
+    `<|content_model_end_sampling|>` (200006); pad is `<|endoftext|>` (199999), a real token that is not eos
+    (so padding is never mistaken for a stop) and that the chat format never emits; no bos is added because
+    rendered chats start directly with a message token; padding is on the left, as decoding appends on the
+    right; `model_max_length` is the model's 1M-token context.
+    """
+
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, tokenizer_file: str | None = None, tokenizer_object: Tokenizer | None = None, **kwargs):
+        kwargs.setdefault("eos_token", EOS_TOKEN)
+        kwargs.setdefault("pad_token", PAD_TOKEN)
+        kwargs.setdefault("bos_token", None)
+        kwargs.setdefault("unk_token", None)
+        kwargs.setdefault("image_token", IMAGE_TOKEN)  # read by the processor; gives `image_token_id`
+        kwargs.setdefault("extra_special_tokens", list(SPECIAL_TOKENS))  # so `all_special_ids` lists all 60
+        kwargs.setdefault("model_max_length", 1_048_576)
+        kwargs.setdefault("padding_side", "left")  # passed (not a class attribute) so tokenizer_config.json records it
+        kwargs.setdefault("clean_up_tokenization_spaces", False)
+        kwargs.setdefault("chat_template", CHAT_TEMPLATE)  # the Inkling chat format (chat_template.py)
+        kwargs.setdefault("response_template", copy.deepcopy(RESPONSE_TEMPLATE))  # parse_response, pipelines
+        if tokenizer_file is None and tokenizer_object is None:
+            # Built from the tiktoken ranks; the base class deep-copies it, so the cache stays clean.
+            tokenizer_object = _build_backend_cached(default_tiktoken_path())
+        super().__init__(tokenizer_file=tokenizer_file, tokenizer_object=tokenizer_object, **kwargs)
+
+    @classmethod
+    def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
+        """Load a saved `tokenizer.json` directly (the base class would re-extract vocab and merges, which is
+        slower and drops the pre-tokenizer for classes with their own `__init__`)."""
+        if kwargs.get("tokenizer_file") and os.path.isfile(kwargs["tokenizer_file"]):
+            return kwargs
+        return super().convert_to_native_format(trust_remote_code=trust_remote_code, **kwargs)
+
+    @classmethod
+    def from_tiktoken(cls, path: str | os.PathLike | None = None, **kwargs) -> Inkling2Tokenizer:
+        """Build from an o200k_base `.tiktoken` file (default: the copy inside `tml-renderers`), offline."""
+        return cls(tokenizer_object=_build_backend_cached(os.fspath(path or default_tiktoken_path())), **kwargs)
+
+
+def build_inkling2_tokenizer(path: str | os.PathLike | None = None, **kwargs) -> Inkling2Tokenizer:
+    """Module-level alias of `Inkling2Tokenizer.from_tiktoken`."""
+    return Inkling2Tokenizer.from_tiktoken(path, **kwargs)
+
+
+__all__ = [
+    "EOS_TOKEN",
+    "IMAGE_TOKEN",
+    "NUM_BPE_RANKS",
+    "O200K_PATTERN",
+    "PAD_TOKEN",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "Inkling2Tokenizer",
+    "build_inkling2_backend",
+    "build_inkling2_tokenizer",
+    "load_tiktoken_ranks",
+]

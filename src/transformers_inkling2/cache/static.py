@@ -1,5 +1,5 @@
 """A fixed-size decoding cache for Inkling2, so that a decode step has static shapes and can be replayed as a CUDA
-graph (`decode_graphs.py`).
+graph (`generation/decode_graphs.py`).
 
 Every buffer is allocated once (at the first forward) and written in place at slots computed on the device from
 the tokens' positions; nothing is ever concatenated or reallocated while decoding:

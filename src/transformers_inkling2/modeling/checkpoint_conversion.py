@@ -45,7 +45,7 @@ def text_model_renamings() -> list[WeightRenaming]:
         (r"embed\.weight", "embed_tokens.weight"),
         (r"(?<!embed_tokens\.)embed_norm\.", "embed_tokens.embed_norm."),
         (r"mlp\.experts\.w2_weight", "mlp.experts.down_proj"),
-        # quantized experts (see quantized_checkpoints): block scales and NVFP4 outer-scale tensors
+        # quantized experts (see quantization/checkpoints.py): block scales and NVFP4 outer-scale tensors
         (r"mlp\.experts\.w2_weight_scale", "mlp.experts.down_proj_scale"),
         (r"mlp\.experts\.w13_weight_(scale_2|global_scale|amax|outer_scale_denominator)", r"mlp.experts.gate_up_proj_\1"),
         (r"mlp\.experts\.w2_weight_(scale_2|global_scale|amax|outer_scale_denominator)", r"mlp.experts.down_proj_\1"),

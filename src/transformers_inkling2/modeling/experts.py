@@ -10,9 +10,9 @@ output is the routing-weighted sum of its experts' outputs, accumulated in fp32.
 - Packed NVFP4 / MXFP8 experts (`quantization/experts.py`) share `Inkling2ExpertsBase` and register their storage
   in `interfaces.EXPERT_STORAGES`; the fused kernel arrives as `interfaces.KERNELS["routed_experts"]`.
 
-Split across ranks by a parallel plan (`tensor_parallel`, `expert_parallel` set), a module holds a contiguous block
-of `num_experts` experts starting at global id `first_expert`, skips the routes whose id (minus `first_expert`) falls
-outside its block and returns an fp32 output, which the plan sums over the ranks.
+Split across ranks by a parallel plan (`parallel/tensor_parallel.py`, `expert_parallel` set), a module holds a
+contiguous block of `num_experts` experts starting at global id `first_expert`, skips the routes whose id (minus
+`first_expert`) falls outside its block and returns an fp32 output, which the plan sums over the ranks.
 """
 
 
@@ -135,8 +135,8 @@ class Inkling2Experts(Inkling2ExpertsBase):
         if experts_implementation(self.config) == "eager":
             return self.loop_over_experts(x, expert_ids, weights)
         # BF16 weights that need no gradient (inference, or LoRA elsewhere): the fused kernel reads each active expert
-        # once and fuses the activation; it is faster than the grouped GEMMs from decoding to 8k-token prefills
-        # (docs/benchmarks.md)
+        # once and fuses the activation: faster than the grouped GEMMs at every size measured, decode steps to
+        # 8k-token prefills (docs/benchmarks.md)
         if self.gate_up_proj.dtype == torch.bfloat16 and self.uses_kernel(x, weights):
             return self.run_kernel(x, expert_ids, weights)
         return self.grouped(x, expert_ids, weights)

@@ -23,6 +23,8 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 
 class Registry:
     """Named implementations of one kind, with optional traits (e.g. whether a backend takes keys in any order)."""
@@ -55,7 +57,10 @@ class Registry:
         entry = self._entries[name]
         if isinstance(entry, str):
             module, _, attribute = entry.partition(":")
-            entry = self._entries[name] = getattr(importlib.import_module(module), attribute)
+            # a module's own tensors (lookup tables) stay on the CPU even when first imported while a model is built
+            # under `torch.device("meta")`
+            with torch.device("cpu"):
+                entry = self._entries[name] = getattr(importlib.import_module(module), attribute)
         return entry
 
     def optional(self, name: str) -> Any:

@@ -1,5 +1,5 @@
 """The DSpark drafter: a small block decoder that reads the target's own hidden states and proposes
-`block_size` tokens per decoding step, which the target then verifies in one pass (`generation_dspark`).
+`block_size` tokens per decoding step, which the target then verifies in one pass (`generation/dspark.py`).
 
 Data path of one draft:
 1. Context features: the outputs of the target's `target_layer_ids` at every committed position, concatenated,
@@ -17,7 +17,7 @@ Data path of one draft:
    the drafts of one block agree with each other. The confidence head predicts whether draft k will be accepted.
 
 The drafter shares the target's embedding and lm_head: they are passed in, never owned, so the checkpoint stores
-them once. Its own weights live under `dspark.` in our checkpoints (`dspark_checkpoints` maps the original
+them once. Its own weights live under `dspark.` in our checkpoints (`dspark/checkpoints.py` maps the original
 `mtp.safetensors`).
 """
 

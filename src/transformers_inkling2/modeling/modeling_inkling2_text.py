@@ -164,8 +164,8 @@ class Inkling2Attention(nn.Module):
     values dynamically, take separate q/k/v inputs and scale queries and relative states up logarithmically with
     the position. The output is gated by `sigmoid(gate_proj(x))` before `o_proj`.
 
-    Under tensor parallelism (`tensor_parallel`) a rank holds a block of query heads and their kv heads: activations
-    are reshaped with `-1` heads, so `num_heads` / `num_key_value_heads` stay the model's totals.
+    Under tensor parallelism (`parallel/tensor_parallel.py`) a rank holds a block of query heads and their kv heads:
+    activations are reshaped with `-1` heads, so `num_heads` / `num_key_value_heads` stay the model's totals.
     """
 
     def __init__(self, config: Inkling2TextConfig, layer_idx: int):
@@ -443,7 +443,7 @@ class Inkling2PreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
-        """Our attention reads `config._attn_implementation` at every call (see `attention.ATTENTION_BACKENDS`)."""
+        """Our attention reads `config._attn_implementation` at every call (see `interfaces.ATTENTION_BACKENDS`)."""
         return True
 
     def post_init(self):

@@ -11,7 +11,8 @@ per layer, how the experts are stored, from the tensors' dtypes and shapes:
 
 A `hf_quant_config.json` sidecar, when present, is cross-checked against what the tensors say. The result goes
 into `text_config.expert_quantization`, so the model builds `Inkling2QuantizedExperts` where needed and loading is a
-renaming (`checkpoint_conversion`). After loading, `validate_quantized_experts` rejects NaN or infinite scales.
+renaming (`modeling/checkpoint_conversion.py`). After loading, `validate_quantized_experts` rejects NaN or infinite
+scales.
 """
 
 import json

@@ -15,7 +15,7 @@ from ..modeling.tensors import local_tensor
 from . import formats as qf
 
 # NVFP4 outer-scale tensors a checkpoint may carry (suffix after `w13_weight_` / `w2_weight_`) and the argument of
-# `quantized_formats.nvfp4_outer_multiplier` each one is: ModelOpt's multiplier, compressed-tensors' divisor, or
+# `formats.nvfp4_outer_multiplier` each one is: ModelOpt's multiplier, compressed-tensors' divisor, or
 # amax (with an optional denominator, 448 * 6 by default).
 NVFP4_OUTER_SCALES = {
     "scale_2": "weight_scale_2",

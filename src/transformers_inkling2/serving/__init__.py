@@ -1,0 +1,1 @@
+"""`inkling2 serve`: the OpenAI-compatible server."""

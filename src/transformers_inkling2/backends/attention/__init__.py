@@ -1,0 +1,1 @@
+"""Attention backends (`attn_implementation`): FlexAttention paths and our Triton / Gluon prefill and decode kernels."""

@@ -143,9 +143,9 @@ def decode_attention(
     sliding_window: int | None,
     scaling: float,
 ) -> torch.Tensor:
-    """Same contract as `attention.eager_attention` (query [B, H, Q, D], key/value [B, Hkv, K, D] in any slot order,
-    relative_logits [B, H, Q, extent], sinks [B, H, Q]) -> [B, Q, H, D]. A custom op: `torch.compile` (the compiled
-    decode steps) calls it as it is instead of tracing and recompiling the kernels."""
+    """Same contract as `modeling.attention.eager_attention` (query [B, H, Q, D], key/value [B, Hkv, K, D] in any
+    slot order, relative_logits [B, H, Q, extent], sinks [B, H, Q]) -> [B, Q, H, D]. A custom op: `torch.compile`
+    (the compiled decode steps) calls it as it is instead of tracing and recompiling the kernels."""
     batch, heads, queries, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
     groups = heads // kv_heads

@@ -1,7 +1,7 @@
 """Memory-efficient attention backends of Inkling2: FlexAttention for prefill, small paths for decoding.
 
-All compute exactly what `attention.eager_attention` computes (same signature, same result up to rounding) without
-its [queries, keys] score matrix:
+All compute exactly what `modeling.attention.eager_attention` computes (same signature, same result up to rounding)
+without its [queries, keys] score matrix:
 
 - `inkling2_flex_attention` (registered as `"inkling2_flex"`): FlexAttention with block-sparse masks built
   directly from block ranges (no [Q, K] mask is ever evaluated), split by backward distance `d = pos_q - pos_k`:
@@ -20,7 +20,7 @@ its [queries, keys] score matrix:
   It does no host synchronization, so a decode step can be captured in a CUDA graph, and it also takes keys held
   in a ring (the static cache's sliding-window layers).
 - `inkling2_triton_attention` (registered as `"inkling2_triton"`): prefill through our own fused kernel
-  (`attention_prefill_kernel`: the bias read in-tile, one pass for band and far part, the sink in the epilogue);
+  (`prefill_kernel`: the bias read in-tile, one pass for band and far part, the sink in the epilogue);
   decoding, CPU tensors and gradients as `inkling2_flex`.
 - `inkling2_flex_decode_attention` (registered as `"inkling2_flex_decode"`): prefill as `inkling2_flex`; 1-8
   queries through one FlexAttention call on the folded heads (head ratio 1), so that compiled flex can use its

@@ -1,14 +1,14 @@
 """Sliding-layer prefill attention in Gluon (Triton's explicit-layout dialect) for Hopper: the algorithm of
-`attention_prefill_kernel` with the MMAs and copies scheduled by hand. `prefill_attention` routes sliding layers here
+`prefill_kernel` with the MMAs and copies scheduled by hand. `prefill_attention` routes sliding layers here
 when `supports` says so.
 
 Why: compiled from plain Triton, each step of that kernel waits for every outstanding MMA right after issuing QK^T,
-so its softmax never overlaps an MMA (docs/benchmarks.md: 228 TFLOP/s per sliding layer at 32k). Here a step issues
-its QK^T and the previous block's PV back to back, waits for the scores only (`warpgroup_mma_wait(1)`) and runs the
-softmax while that PV is on the tensor cores (FlashAttention-3's overlap within a warpgroup). A program is one
-warpgroup on 64 query rows with two copy stages (96 KB of shared memory, 222 registers), so two programs share an
-SM and one's softmax runs while the other's MMAs do: 292-317 TFLOP/s at 32k on an H200 against the Triton kernel's
-226-242 (128-row programs of two warpgroups, one per SM: 255-278; docs/benchmarks.md).
+so its softmax never overlaps an MMA. Here a step issues its QK^T and the previous block's PV back to back, waits
+for the scores only (`warpgroup_mma_wait(1)`) and runs the softmax while that PV is on the tensor cores
+(FlashAttention-3's overlap within a warpgroup). A program is one warpgroup on 64 query rows with two copy stages
+(96 KB of shared memory, 222 registers), so two programs share an SM and one's softmax runs while the other's MMAs
+do. Today's speed against the Triton kernel is in docs/benchmarks.md; the tile shapes and variants that were
+measured and not kept are in docs/dev/benchmark-history.md ("Sliding layers in Gluon").
 
 Scope (else the Triton kernel runs): Hopper under CUDA, Triton >= 3.6, a sliding layer with window <= extent (every
 visible key carries a bias: no far blocks), bf16, head_dim 128, relative logits in `aligned_product`'s guarded,
@@ -75,8 +75,9 @@ def _step(p_previous, acc, m, l, j, q_smem, k_smem, v_smem, bias_smem, scores_ze
     """Key block j: issue the copies of block j + STAGES - 1, then its QK^T and the previous block's PV back to back;
     wait for the scores only, run the softmax while the PV is on the tensor cores, then wait for it and rescale the
     output. Registers that an in-flight MMA reads or writes are never touched until its wait (else ptxas serializes
-    the MMAs). Issuing the MMAs before the copies measured slower: Triton then adds a barrier between them (it
-    orders shared-memory accesses per buffer, not per stage).
+    the MMAs). The copies are issued before the MMAs: in the other order Triton adds a barrier between them (it
+    orders shared-memory accesses per buffer, not per stage). The orders and variants measured are in
+    docs/dev/benchmark-history.md ("Sliding layers in Gluon").
     Returns (this block's probabilities as the PV operand, output, m, l)."""
     async_copy.wait_group(STAGES - 2)  # group j: block j's keys and bias, block j - 1's values
     gl.thread_barrier()  # every warp's copies landed; every warp is done with the buffers group j + STAGES - 1 takes

@@ -1,23 +1,24 @@
 """Prefill attention with the relative bias read in-tile: one fused Triton kernel (the `inkling2_triton` backend).
 
 FlexAttention adds the bias through a `score_mod` that gathers `relative_logits[b, h, q, d]` one score at a time,
-which costs a sliding layer about 3x the same call without bias (docs/benchmarks.md). Here a program owns one query
-head and a block of BLOCK_M queries (`TILES`) and walks only the key blocks its rows can see (the window, or
-everything up to the diagonal in a full layer). Key blocks are counted from the diagonal, so every query block meets
-the same distances d = p_i - p_j; for a tile, the bias of row i is a run of consecutive entries of its relative-logit
-row (d changes by one per key), and holding the keys of a tile in descending order makes that run ascending: one
-coalesced 2-D load, vectorized when the relative logits come in the layout of `aligned_product` (the model's, for
-prompts), whose guard of buffer around them lets even the masked blocks read their bias without masks (a select
-keeps 0 <= d < extent). Key blocks come in runs that need no bias (wholly beyond the extent: the far part of a full
-layer), no mask (the inner blocks) or masks (the diagonal, edges, keys crossing 0). Masks (causal, window, left
-padding) are computed from positions; the softmax runs online and the sink joins the denominator at the end:
+which costs a sliding layer about 3x the same call without bias (docs/dev/benchmark-history.md). Here a program owns
+one query head and a block of BLOCK_M queries (`TILES`) and walks only the key blocks its rows can see (the window,
+or everything up to the diagonal in a full layer). Key blocks are counted from the diagonal, so every query block
+meets the same distances d = p_i - p_j; for a tile, the bias of row i is a run of consecutive entries of its
+relative-logit row (d changes by one per key), and holding the keys of a tile in descending order makes that run
+ascending: one coalesced 2-D load, vectorized when the relative logits come in the layout of `aligned_product` (the
+model's, for prompts), whose guard of buffer around them lets even the masked blocks read their bias without masks
+(a select keeps 0 <= d < extent). Key blocks come in runs that need no bias (wholly beyond the extent: the far part
+of a full layer), no mask (the inner blocks) or masks (the diagonal, edges, keys crossing 0). Masks (causal, window,
+left padding) are computed from positions; the softmax runs online and the sink joins the denominator at the end:
 
     out = acc / (l + e^(sink - m)),   with acc and l scaled to the running max m (which includes the sink),
 
 all in base 2 inside the kernel (scores times log2 e: one ex2 per exponential).
 
-On Hopper, sliding layers run a Gluon version of this kernel with the MMAs scheduled by hand
-(`attention_prefill_gluon`, faster: docs/benchmarks.md) where its scope allows.
+On Hopper, sliding layers run a Gluon version of this kernel with the MMAs scheduled by hand (`prefill_gluon`)
+where its scope allows: it overlaps the softmax with the MMAs, which Triton's schedule of this kernel does not
+(docs/benchmarks.md compares the two).
 
 Positions must be contiguous and ascending (`q0 + arange(Q)`, `k0 + arange(K)`), as for `inkling2_flex`; q0 and k0
 are read on the device (no host sync). Imported only for CUDA tensors (or under Triton's interpreter).
@@ -39,12 +40,11 @@ from .tiles import (
     visible_keys,
 )
 
-# (BLOCK_M, BLOCK_N, warps, stages) by layer, from sweeps on one H200 (benchmarks/prefill_kernel_sweep.py,
-# docs/benchmarks.md): since the diagonal and edge blocks read their bias unmasked, both layer kinds are fastest with
-# blocks of 64 keys and three stages (128 x 128 tiles spill registers)
+# (BLOCK_M, BLOCK_N, warps, stages) by layer: the fastest shapes of the tile sweep in docs/dev/benchmark-history.md
+# (benchmarks/prefill_kernel_sweep.py); 128 x 128 tiles spill registers
 TILES = {"full": (128, 64, 8, 3), "sliding": (128, 64, 8, 3)}
 
-# `attention_prefill_gluon` is written against Gluon as Triton 3.6 ships it (an experimental API that still changes)
+# `prefill_gluon` is written against Gluon as Triton 3.6 ships it (an experimental API that still changes)
 GLUON_API = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 
 # how a run of key blocks treats the relative bias
@@ -204,9 +204,9 @@ def prefill_attention(
     sliding_window: int | None,
     scaling: float,
 ) -> torch.Tensor:
-    """Same contract as `attention.eager_attention`, positions contiguous and ascending -> [B, Q, H, D]. A custom op,
-    so that `torch.compile` calls it as it is. Sliding layers on Hopper run the Gluon kernel where it applies, the
-    rest `triton_prefill_attention`."""
+    """Same contract as `modeling.attention.eager_attention`, positions contiguous and ascending -> [B, Q, H, D]. A
+    custom op, so that `torch.compile` calls it as it is. Sliding layers on Hopper run the Gluon kernel where it
+    applies, the rest `triton_prefill_attention`."""
     inputs = (query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window,
               scaling)  # fmt: skip
     if sliding_window is not None and query.is_cuda and GLUON_API:

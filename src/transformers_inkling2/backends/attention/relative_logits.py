@@ -14,7 +14,7 @@ ALIGNED_GUARD = 512  # elements; the prefill kernel needs BLOCK_M before and BLO
 
 def aligned_product(states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`states @ weight` ([batch, heads, queries, extent]) as a view into a padded buffer laid out for the bias loads
-    of the prefill kernel (`attention_prefill_kernel`): query rows a pitch apart that is one less than a multiple of
+    of the prefill kernel (`prefill_kernel`): query rows a pitch apart that is one less than a multiple of
     16, the first row's values starting one element before a 16-byte boundary, so that the run of relative logits a
     kernel tile reads for a row starts on a 16-byte boundary for every row (vector loads instead of element loads);
     and at least `ALIGNED_GUARD` elements of buffer before the first value and after the last, so that tiles on the

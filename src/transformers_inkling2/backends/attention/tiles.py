@@ -1,4 +1,4 @@
-"""Tile steps shared by the fused attention kernels (`attention_decode_kernel`, `attention_prefill_kernel`): the
+"""Tile steps shared by the fused attention kernels (`decode_kernel`, `prefill_kernel`): the
 scores of a key block, which keys each row sees, and the online-softmax update. Triton inlines them into each
 kernel. Also the host-side preparation both share. Imported only with those kernels (triton is not a CPU
 dependency)."""

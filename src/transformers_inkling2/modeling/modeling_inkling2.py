@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
 
 from ..cache.dynamic import Inkling2Cache
 from ..configuration_inkling2 import Inkling2Config
@@ -78,6 +79,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
         image_features = self.get_image_features(pixel_values, image_grid_thw)
         return self.place_image_features(input_ids, inputs_embeds, image_features), image_features
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -107,6 +109,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             output_hidden_states=kwargs.get("output_hidden_states"),
             prefill_chunk_size=kwargs.get("prefill_chunk_size"),
             cache_position=kwargs.get("cache_position"),
+            return_dict=True,
         )
         return Inkling2ModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,
@@ -133,6 +136,7 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
     def dspark_prompt_embeddings(self, input_ids, pixel_values=None, image_grid_thw=None, **model_kwargs):
         return self.model.prompt_embeddings(input_ids, pixel_values, image_grid_thw)[0]
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -159,6 +163,7 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
             output_hidden_states=kwargs.pop("output_hidden_states", None),
             prefill_chunk_size=kwargs.pop("prefill_chunk_size", None),
             cache_position=kwargs.pop("cache_position", None),
+            return_dict=True,
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return Inkling2CausalLMOutputWithPast(

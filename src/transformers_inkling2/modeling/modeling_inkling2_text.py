@@ -18,7 +18,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
 
 from ..cache.common import (
     K_CONV,
@@ -490,16 +490,19 @@ class Inkling2PreTrainedModel(PreTrainedModel):
             unused["dtype"] = kwargs["dtype"]
         return config, {**unused, **hub}
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
-        """Non-reentrant checkpointing (the default here): the attention-residual blocks travel between layers as a
-        list of tensors, which reentrant checkpointing does not track."""
-        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1, offload: bool = False
+    ):
+        """transformers' activation (gradient) checkpointing, non-reentrant by default here: the attention-residual
+        blocks travel between layers as a list of tensors, which reentrant checkpointing does not track.
+        `gradient_checkpointing_enable(...)` and `Trainer(gradient_checkpointing=True)` arrive here too."""
+        kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
         if kwargs["use_reentrant"]:
             raise ValueError(
                 "Inkling2 supports non-reentrant gradient checkpointing only (its decoder layers pass the attention-"
                 "residual blocks as a list); drop `use_reentrant=True`."
             )
-        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        super().activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -538,6 +541,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -608,7 +612,9 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
             layer_outputs.append(partial)
         hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
-        output_hidden_states = kwargs.get("output_hidden_states", self.config.output_hidden_states)
+        output_hidden_states = kwargs.get("output_hidden_states")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
@@ -632,6 +638,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 position_ids=None if position_ids is None else position_ids[..., start:end],
                 past_key_values=cache,
                 use_cache=True,
+                return_dict=True,
             )
             hidden_states.append(output.last_hidden_state)
         return BaseModelOutputWithPast(
@@ -781,6 +788,7 @@ class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel
         self.init_dspark(config)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -806,6 +814,7 @@ class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel
             output_hidden_states=output_hidden_states,
             prefill_chunk_size=prefill_chunk_size,
             cache_position=cache_position,
+            return_dict=True,
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(

@@ -1,6 +1,27 @@
+import importlib.util
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HUB_KERNELS = Path(__file__).resolve().parent / "hub_kernels"
+
+
+class build_py_with_hub_kernel(build_py):
+    """Also builds the hub kernel (`hub_kernels/build.py`) into the wheel, as
+    `transformers_inkling2/hub_kernels/inkling2_moe/build/`, where `backends.kernel_loading` loads it. An editable
+    install loads the checkout's folder instead, which it builds on first use."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        spec = importlib.util.spec_from_file_location("_hub_kernels_build", HUB_KERNELS / "build.py")
+        builder = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(builder)
+        out = Path(self.build_lib) / "transformers_inkling2" / "hub_kernels" / "inkling2_moe" / "build"
+        builder.build(HUB_KERNELS / "inkling2_moe", out)
+
 
 setup(
     name="transformers-inkling2",
@@ -9,10 +30,18 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    # the hub kernel package ships inside the wheel too, as `transformers_inkling2/hub_kernels/` (kernel_loading)
+    # the hub kernel ships inside the wheel too, as `transformers_inkling2/hub_kernels/` (backends.kernel_loading):
+    # its sources and builder (which the sdist needs to build a wheel), and the build that build_py adds
     package_dir={"": "src", "transformers_inkling2.hub_kernels": "hub_kernels"},
     packages=[*find_packages("src"), "transformers_inkling2.hub_kernels"],
-    package_data={"transformers_inkling2.hub_kernels": ["inkling2_moe/build.toml", "inkling2_moe/build/**/*"]},
+    package_data={
+        "transformers_inkling2.hub_kernels": [
+            "inkling2_moe/build.toml",
+            "inkling2_moe/README.md",
+            "inkling2_moe/torch-ext/inkling2_moe/*.py",
+        ]
+    },
+    cmdclass={"build_py": build_py_with_hub_kernel},
     python_requires=">=3.10",
     install_requires=[
         "transformers>=5.23,<6",

@@ -1,30 +1,49 @@
 """The one place where the model meets its hub kernels.
 
 The routed-expert kernel (`inkling2_moe`: routing, grouped GEMMs with fused NVFP4 / MXFP8 dequantization, the
-softcapped SwiGLU and the combine) is a kernel package in the Hub layout under `hub_kernels/inkling2_moe`, loaded
-with the `kernels` library. By default it is loaded from that local folder; set `INKLING2_MOE_KERNEL` to another
-local folder, or to a Hub repo id (`owner/name`, optionally `owner/name@revision`) to load a published build.
+softcapped SwiGLU and the combine) is a kernel package in kernel-builder's layout under `hub_kernels/inkling2_moe`,
+loaded with the `kernels` library from its build (`build/torch-cpu`, `build/torch-cuda`). By default it is loaded
+from the copy an installed wheel carries, built when the wheel was (setup.py), or from a checkout's folder, built
+there on first use and whenever its sources changed (`python hub_kernels/build.py` does the same by hand). Set
+`INKLING2_MOE_KERNEL` to another local kernel folder (with its `build/`), or to a Hub repo id (`owner/name`,
+optionally `owner/name@revision`) to load a published build.
 """
 
 import functools
+import importlib.util
 import os
 from pathlib import Path
 
 import torch
 
 KERNEL_ENV = "INKLING2_MOE_KERNEL"
-# a checkout's `hub_kernels/`, or its copy inside an installed wheel
-LOCAL_KERNEL = next(
-    (
-        path
-        for path in (
-            Path(__file__).resolve().parents[2] / "hub_kernels" / "inkling2_moe",
-            Path(__file__).resolve().parent / "hub_kernels" / "inkling2_moe",
-        )
-        if path.is_dir()
-    ),
-    Path(__file__).resolve().parent / "hub_kernels" / "inkling2_moe",
-)
+BUILD_COMMAND = "python hub_kernels/build.py"
+_PACKAGE = Path(__file__).resolve().parents[1]  # transformers_inkling2/
+# the built copy inside an installed wheel; or a checkout's kernel folder (next to src/) and the builder beside it
+WHEEL_KERNEL = _PACKAGE / "hub_kernels" / "inkling2_moe"
+CHECKOUT_KERNEL = _PACKAGE.parents[1] / "hub_kernels" / "inkling2_moe"
+CHECKOUT_BUILDER = CHECKOUT_KERNEL.parent / "build.py"
+
+
+def local_kernel() -> Path:
+    """The default kernel folder, its `build/` current: an installed wheel's, or a checkout's (built here if needed)."""
+    if (WHEEL_KERNEL / "build").is_dir():
+        return WHEEL_KERNEL
+    if CHECKOUT_BUILDER.is_file() and (CHECKOUT_KERNEL / "build.toml").is_file():
+        spec = importlib.util.spec_from_file_location("_inkling2_hub_kernels_build", CHECKOUT_BUILDER)
+        builder = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(builder)
+        try:
+            builder.ensure_built(CHECKOUT_KERNEL)
+        except (OSError, builder.BuildError) as error:
+            raise RuntimeError(f"Could not build the inkling2_moe kernel in {CHECKOUT_KERNEL}: {error}. Run "
+                               f"`{BUILD_COMMAND}` in the checkout.") from error  # fmt: skip
+        return CHECKOUT_KERNEL
+    raise FileNotFoundError(
+        f"The inkling2_moe kernel is neither built into this installation ({WHEEL_KERNEL / 'build'}) nor in a "
+        f"checkout ({CHECKOUT_KERNEL}). Reinstall transformers-inkling2 (its wheel builds the kernel), run "
+        f"`{BUILD_COMMAND}` in a checkout, or set {KERNEL_ENV} to the kernel's folder or Hub repo id."
+    )
 
 
 @functools.cache
@@ -33,14 +52,15 @@ def moe_kernel():
     import kernels
 
     source = os.environ.get(KERNEL_ENV)
-    if source is None or Path(source).exists():
-        path = Path(source) if source else LOCAL_KERNEL
-        if not (path / "build").is_dir():
+    if not source:
+        return kernels.get_local_kernel(local_kernel())
+    if Path(source).exists():
+        if not (Path(source) / "build").is_dir():
             raise FileNotFoundError(
-                f"The inkling2_moe kernel is not at {path} (a `build/` folder is expected there). Reinstall "
-                f"transformers-inkling2, or set {KERNEL_ENV} to the kernel's folder or Hub repo id."
+                f"{KERNEL_ENV}={source} has no `build/` folder. Build it (`{BUILD_COMMAND} {source}` for a "
+                f"pure-Python kernel folder, kernel-builder otherwise), or unset {KERNEL_ENV}."
             )
-        return kernels.get_local_kernel(path)
+        return kernels.get_local_kernel(Path(source))
     repo_id, _, revision = source.partition("@")
     return kernels.get_kernel(repo_id, revision=revision or None)
 

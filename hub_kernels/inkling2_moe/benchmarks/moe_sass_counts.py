@@ -1,11 +1,12 @@
 """Instructions per weight element in the main loop of the expert GEMM kernels, counted offline (no GPU needed).
 
-Compiles `_gate_up_kernel` or `_down_kernel` of `hub_kernels/inkling2_moe` for sm_90 with Triton (its bundled ptxas),
+Compiles `_gate_up_kernel` or `_down_kernel` (the sources in torch-ext/) for sm_90 with Triton (its bundled ptxas),
 disassembles the cubin with the bundled nvdisasm, finds the innermost loop (the longest backward branch) and counts
 its SASS instructions by opcode. Instructions per weight element = loop instructions / weight elements per thread and
 step (BLOCK_N x BLOCK_K, twice for gate/up). Used for docs/benchmarks.md's reading of the NVFP4 decode kernels.
 
-    python3 benchmarks/moe_sass_counts.py [gate_up|down] [nvfp4|mxfp8|bf16] [BM BN BK warps stages]
+    python3 hub_kernels/inkling2_moe/benchmarks/moe_sass_counts.py [gate_up|down] [nvfp4|mxfp8|bf16] \
+        [BM BN BK warps stages]
 """
 
 import collections
@@ -21,9 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1] / "hub_kernels" / "inkling2_moe" / "build" / "torch-universal")
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from inkling2_moe import triton_kernels  # noqa: E402
 
 FORMATS = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}

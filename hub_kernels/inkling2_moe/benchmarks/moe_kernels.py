@@ -11,7 +11,8 @@ register-GEMV path, the Triton kernels and other K splits next to it), and prefi
 `--sweep-only` (a wider decode tile sweep), `--prefill-sweep` (prefill tile shapes at 8192 tokens next to
 `torch._grouped_mm`), `--profile` (device time of each kernel of a decode-size call).
 
-    python benchmarks/moe_kernels.py [--out DIR] [--quick | --sweep-only | --prefill-sweep | --profile]
+    python hub_kernels/inkling2_moe/benchmarks/moe_kernels.py [--out DIR] \
+        [--quick | --sweep-only | --prefill-sweep | --profile]
 
 Prints a table and writes `moe_kernels_bench.md` + `.json` under --out (default $OUT, else ./).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -28,20 +30,26 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-KERNEL_DIR = REPO / "hub_kernels" / "inkling2_moe"
+KERNEL_DIR = Path(__file__).resolve().parents[1]
+BUILDER = KERNEL_DIR.parent / "build.py"  # hub_kernels/build.py (kernel-builder's step for this pure-Python kernel)
 E, H, I, K = 384, 4608, 2304, 8
 ROTATIONS = 8
 
 
 def load_kernel():
+    """The kernel's build through `kernels` (built first when missing or stale); its sources without `kernels`."""
     try:
         from kernels import get_local_kernel
     except ImportError:
-        sys.path.insert(0, str(KERNEL_DIR / "build" / "torch-universal"))
+        sys.path.insert(0, str(KERNEL_DIR / "torch-ext"))
         import inkling2_moe
 
         return inkling2_moe
+    if BUILDER.is_file():
+        spec = importlib.util.spec_from_file_location("_hub_kernels_build", BUILDER)
+        builder = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(builder)
+        builder.ensure_built(KERNEL_DIR)
     return get_local_kernel(KERNEL_DIR)
 
 

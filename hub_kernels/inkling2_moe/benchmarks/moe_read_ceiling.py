@@ -6,7 +6,7 @@ program reading its rows' bytes as contiguous 8 KB steps instead. Time per call:
 8 calls with different expert sets (so reads are not served from L2), next to the device-to-device copy
 bandwidth of `moe_kernels.py`. One GPU.
 
-    python benchmarks/moe_read_ceiling.py
+    python hub_kernels/inkling2_moe/benchmarks/moe_read_ceiling.py
 """
 
 from __future__ import annotations

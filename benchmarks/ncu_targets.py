@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the MoE kernel's own benchmark lives with the kernel package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hub_kernels" / "inkling2_moe" / "benchmarks"))
 
 
 def attention(layer: str) -> None:

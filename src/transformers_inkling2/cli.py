@@ -235,7 +235,10 @@ def run_plan(args: argparse.Namespace) -> None:
     from .parallel.planning import format_plan, memory_plan
 
     config = Inkling2Config.from_pretrained(args.config) if args.config else Inkling2Config()
-    plan = memory_plan(config, args.variant, args.tp, args.ep, args.context, args.batch, args.prefill_chunk)
+    try:
+        plan = memory_plan(config, args.variant, args.tp, args.ep, args.context, args.batch, args.prefill_chunk)
+    except ValueError as error:
+        raise SystemExit(f"inkling2 plan: {error}") from None
     print(
         f"[plan] {args.variant} experts, TP {args.tp} / EP {args.ep or args.tp}, {args.batch} x {args.context:,} tokens, "
         f"prefill chunks of {args.prefill_chunk:,}\n{format_plan(plan, args.gpu_gib)}"

@@ -110,6 +110,11 @@ def memory_plan(
     ep = tp if ep is None else ep
     if variant not in VARIANTS:
         raise ValueError(f"Unknown checkpoint variant {variant!r}: one of {sorted(VARIANTS)}.")
+    sizes = {"tp": tp, "ep": ep, "context": context, "batch": batch, "prefill_chunk": prefill_chunk}
+    not_positive = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
+    if not_positive:
+        listing = ", ".join(f"`{name}` = {value}" for name, value in not_positive.items())
+        raise ValueError(f"A memory plan needs positive whole numbers: {listing}.")
     if text.num_attention_heads % tp or text.swa_num_attention_heads % tp or text.n_routed_experts % ep:
         raise ValueError(
             f"TP {tp} must divide the attention heads ({text.num_attention_heads}) and EP {ep} the experts "

@@ -1,0 +1,43 @@
+"""transformers' calling conventions on our models: checkpointing as Trainer 5.23 asks for it, tuples on request,
+and the config's output switches."""
+
+import pytest
+import torch
+
+from transformers_inkling2 import build_tiny_causal_lm, build_tiny_model
+
+
+def test_activation_checkpointing_takes_transformers_keywords_and_trains():
+    model = build_tiny_causal_lm().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={}, every_n_layers=2)  # what Trainer 5.23 passes
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [i % 2 == 0 for i in range(6)]
+    model.activation_checkpointing_enable(offload=False)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model.activation_checkpointing_enable({"use_reentrant": True})
+
+
+@pytest.mark.parametrize("build", [build_tiny_causal_lm, build_tiny_model], ids=["causal_lm", "multimodal"])
+def test_return_dict_false_gives_the_tuple_of_the_output(build):
+    model = build().eval()
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        as_dict = model(input_ids=ids)
+        as_tuple = model(input_ids=ids, return_dict=False)
+        base = model.model(input_ids=ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and isinstance(base, tuple)
+    torch.testing.assert_close(as_tuple[0], as_dict.logits, rtol=0, atol=0)
+    torch.testing.assert_close(base[0], model.model(input_ids=ids).last_hidden_state, rtol=0, atol=0)
+
+
+def test_config_output_hidden_states_is_read():
+    model = build_tiny_causal_lm().eval()
+    ids = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(2))
+    assert model(input_ids=ids).hidden_states is None
+    model.config.output_hidden_states = True
+    hidden = model(input_ids=ids).hidden_states
+    assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
+    assert model(input_ids=ids, output_hidden_states=False).hidden_states is None

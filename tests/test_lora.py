@@ -8,20 +8,21 @@ import warnings
 
 import pytest
 import torch
-from conftest import ORACLE_TEXT_CONFIG
+from inkling2_helpers import ORACLE_TEXT_CONFIG
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 from safetensors.torch import load_file
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration, Inkling2TextConfig
-from transformers_inkling2.experts import Inkling2Experts, Inkling2QuantizedExperts
+from transformers_inkling2.modeling.experts import Inkling2Experts
+from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 from transformers_inkling2.finetuning import (
     DEFAULT_LORA_TARGET_MODULES,
     EXPERT_LORA_TARGET_PARAMETERS,
     refuse_lora_on_quantized_experts,
 )
-from transformers_inkling2.quantize import quantize_checkpoint
+from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import randomize_, tiny_config
 
 # PEFT 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias

@@ -102,7 +102,7 @@ def _build_backend_cached(path: str) -> Tokenizer:
     # Every split (left, right) of a token into two tokens becomes a merge ranked with the merged token, so
     # the BPE model merges whichever adjacent pair forms the lowest-ranked token, exactly like tiktoken.
     # (Splits of one token are listed left to right; the ids this gives are checked against tiktoken's:
-    # docs/tokenizer.md, tests/test_tokenizer.py.)
+    # docs/tokenizer.md, tests/processing/test_tokenizer.py.)
     merges = []
     for token in by_rank:
         for i in range(1, len(token)):

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import pipeline
 
-from transformers_inkling2.response_parsing import (
+from transformers_inkling2.processing.response_parsing import (
     RESPONSE_TEMPLATE,
     Inkling2ResponseParser,
     Inkling2ResponseStreamer,
     parse_response,
 )
 from transformers_inkling2.tiny import build_tiny_causal_lm
-from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
+from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
 
 THINK, TEXT, END, MODEL, EOT = (
     "<|content_thinking|>",

@@ -13,7 +13,7 @@ from transformers.models.inkling2 import modeling_inkling2 as builtin
 from transformers.models.inkling2.configuration_inkling2 import Inkling2VisionConfig as BuiltinVisionConfig
 
 from transformers_inkling2.configuration_inkling2 import Inkling2VisionConfig
-from transformers_inkling2.modeling_inkling2_vision import Inkling2VisionModel, vision_checkpoint_renames
+from transformers_inkling2.modeling.modeling_inkling2_vision import Inkling2VisionModel, vision_checkpoint_renames
 
 # patch 4 x merge 2 = 8x8 pixel blocks; a 5x5 position grid is both up- and down-sampled by the grids below
 TINY = dict(

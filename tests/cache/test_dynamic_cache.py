@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from conftest import build_pair, greedy_by_recomputation, greedy_generate, left_padded_batch, positions_from_mask
+from inkling2_helpers import (
+    build_pair,
+    greedy_by_recomputation,
+    greedy_generate,
+    left_padded_batch,
+    positions_from_mask,
+)
 from transformers import DynamicCache
 
 from transformers_inkling2 import Inkling2Cache

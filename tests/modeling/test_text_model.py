@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
+from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from transformers_inkling2 import Inkling2Config, Inkling2TextConfig
@@ -86,7 +86,7 @@ def test_mismatched_vision_and_text_width_is_a_clear_error():
 
 
 def test_a_prompt_too_long_for_one_forward_points_to_chunked_prefill():
-    from transformers_inkling2.modeling_inkling2_text import Inkling2RelativeLogits
+    from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2RelativeLogits
 
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         Inkling2RelativeLogits(16, 1024)(torch.empty(1, 50_000, 48, 16, device="meta"))
@@ -97,7 +97,8 @@ def test_relative_logits_of_prompts_come_aligned_for_the_prefill_kernel(queries)
     """Decode steps (up to 8 queries) get the plain product; prompts get the same values as a view whose rows start
     one element before a 16-byte boundary at a pitch of 15 mod 16 (what makes the kernel's bias rows 16-byte
     aligned), with a guard of buffer around them (what lets its tiles read past the rows without masks)."""
-    from transformers_inkling2.modeling_inkling2_text import ALIGNED_GUARD, Inkling2RelativeLogits
+    from transformers_inkling2.backends.attention.relative_logits import ALIGNED_GUARD
+    from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2RelativeLogits
 
     projection = Inkling2RelativeLogits(16, 40)
     torch.nn.init.normal_(projection.proj)
@@ -133,8 +134,9 @@ def test_fused_short_convolution_equals_the_reference(dtype):
     path, after three held inputs (as from a cache), on the time-major context that the caches build for a prompt."""
     import math
 
-    from transformers_inkling2.fused_convolution import compiled_short_convolution, join_convolution_context
-    from transformers_inkling2.modeling_inkling2_text import Inkling2ShortConvolution
+    from transformers_inkling2.backends.convolution import compiled_short_convolution
+    from transformers_inkling2.cache.common import join_convolution_context
+    from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2ShortConvolution
 
     generator = torch.Generator().manual_seed(7)
     convolution = Inkling2ShortConvolution(48, 4, layer_idx=0, conv_idx=0)

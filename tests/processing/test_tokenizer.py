@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from transformers_inkling2.tokenization_inkling2 import (
+from transformers_inkling2.processing.tokenization_inkling2 import (
     O200K_PATTERN,
     SPECIAL_TOKENS,
     VOCAB_SIZE,

@@ -7,15 +7,18 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ORACLE_TEXT_CONFIG, greedy_by_recomputation, greedy_generate, positions_from_mask
+from inkling2_helpers import (
+    MULTIMODAL_CONFIG,
+    greedy_by_recomputation,
+    greedy_generate,
+    images,
+    positions_from_mask,
+    prompt_with_placeholders,
+)
 from transformers import AutoModelForImageTextToText
 
 from transformers_inkling2 import Inkling2Config, Inkling2ForConditionalGeneration
 from transformers_inkling2.tiny import randomize_
-
-IMAGE_TOKEN = 499  # inside the oracle config's 512-token vocabulary
-VISION_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, projection_hidden_dim=64, text_hidden_size=64)
-CONFIG = dict(text_config=ORACLE_TEXT_CONFIG, vision_config=VISION_CONFIG, image_token_id=IMAGE_TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -23,29 +26,10 @@ def models():
     from transformers.models.inkling2 import configuration_inkling2 as builtin_config
     from transformers.models.inkling2 import modeling_inkling2 as builtin
 
-    ours = randomize_(Inkling2ForConditionalGeneration(Inkling2Config(**CONFIG)), seed=4).eval()
-    oracle = builtin.Inkling2ForConditionalGeneration(builtin_config.Inkling2Config(**CONFIG)).eval()
+    ours = randomize_(Inkling2ForConditionalGeneration(Inkling2Config(**MULTIMODAL_CONFIG)), seed=4).eval()
+    oracle = builtin.Inkling2ForConditionalGeneration(builtin_config.Inkling2Config(**MULTIMODAL_CONFIG)).eval()
     oracle.load_state_dict(ours.state_dict(), strict=True)
     return ours, oracle
-
-
-def images(*token_grids, seed=0):
-    """Random pixel blocks for images of the given (token rows, token cols)."""
-    generator = torch.Generator().manual_seed(seed)
-    grid = torch.tensor([[1, rows, cols] for rows, cols in token_grids])
-    pixel_values = torch.rand(int(grid.prod(-1).sum()), 40, 40, 3, generator=generator) * 2 - 1
-    return pixel_values, grid
-
-
-def prompt_with_placeholders(rows, length=24, seed=0):
-    """`rows`: per batch row, a list of (start, count) placeholder runs; rows are left-padded by 3 when `pad`."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, 490, (len(rows), length), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    for row, runs in enumerate(rows):
-        for start, count in runs:
-            input_ids[row, start : start + count] = IMAGE_TOKEN
-    return input_ids, attention_mask
 
 
 def both_outputs(models, input_ids, attention_mask, pixel_values, grid):
@@ -148,7 +132,7 @@ def test_original_layout_multimodal_checkpoint_saved_by_builtin_loads(tmp_path):
     pixel_values, grid = images((2, 3))
     input_ids, _ = prompt_with_placeholders([[(4, 6)]])
     torch.save(dict(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid), tmp_path / "inputs.pt")
-    subprocess.run([sys.executable, "-c", BUILTIN_SAVE, str(tmp_path), json.dumps(CONFIG)], check=True)
+    subprocess.run([sys.executable, "-c", BUILTIN_SAVE, str(tmp_path), json.dumps(MULTIMODAL_CONFIG)], check=True)
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path)
     assert isinstance(loaded, Inkling2ForConditionalGeneration)
     with torch.no_grad():

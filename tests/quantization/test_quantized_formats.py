@@ -1,4 +1,4 @@
-"""Tests for the pure-PyTorch MXFP8 / NVFP4 reference (src/transformers_inkling2/quantized_formats.py).
+"""Tests for the pure-PyTorch MXFP8 / NVFP4 reference (src/transformers_inkling2/quantization/formats.py).
 
 The hand-built fixtures write bytes from the format rules with literal expected numbers, so they do not
 depend on the module's own tables or quantizers.
@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "src" / "transformers_inkling2" / "quantized_formats.py"
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "src" / "transformers_inkling2" / "quantization" / "formats.py"
 _spec = importlib.util.spec_from_file_location("inkling2_quantized_formats", _PATH)
 qf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qf)

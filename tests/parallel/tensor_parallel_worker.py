@@ -1,7 +1,7 @@
 """Run by `test_tensor_parallel.py` under `torchrun --nproc_per_node 2` (gloo, CPU): every rank loads the same tiny
 checkpoints split over the ranks and compares them with the single-process model loaded from the same files.
 
-Usage: torchrun --nproc_per_node 2 tests/tensor_parallel_worker.py CHECKPOINTS_DIR REPORT.json
+Usage: torchrun --nproc_per_node 2 tests/parallel/tensor_parallel_worker.py CHECKPOINTS_DIR REPORT.json
 CHECKPOINTS_DIR holds `bf16/` (BF16 experts), `quantized/` (NVFP4 and MXFP8 experts) and `multimodal/` (the
 ViT in front). Rank 0 writes every rank's report; the test reads it.
 """
@@ -19,8 +19,8 @@ from transformers import DistributedConfig
 
 import transformers_inkling2  # noqa: F401  (registers the classes)
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration
-from transformers_inkling2.experts import Inkling2QuantizedExperts
-from transformers_inkling2.tensor_parallel import local_tensor
+from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
+from transformers_inkling2.parallel.tensor_parallel import local_tensor
 
 NEW_TOKENS = 8
 

@@ -1,4 +1,4 @@
-"""The fast attention backends (`attention_flex.py`) against the eager reference, on fresh random inputs.
+"""The fast attention backends (`backends/attention/`) against the eager reference, on fresh random inputs.
 
 Tolerances: fp32 on CPU, max abs difference <= 1e-4 (outputs are convex combinations of RMS-normalized values,
 so of order 1; the backends only reorder fp32 sums). bf16 on GPU (marked `gpu`): relative L2 error to an fp32
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_triton, run_under_triton_interpreter
+from inkling2_helpers import held_in_a_ring, needs_triton, random_inputs, run_under_triton_interpreter
 
-from transformers_inkling2.attention import ATTENTION_BACKENDS, eager_attention
-from transformers_inkling2.attention_flex import (
+from transformers_inkling2.modeling.attention import ATTENTION_BACKENDS, eager_attention
+from transformers_inkling2.backends.attention.flex import (
     BLOCK_SIZE,
     distance_block_tables,
     inkling2_decode_attention,
@@ -34,63 +34,6 @@ BACKENDS = {  # on CPU, inkling2_triton is inkling2_flex (its kernel is checked 
     "inkling2_decode": inkling2_decode_attention,
     "inkling2_flex_decode": inkling2_flex_decode_attention,
 }
-
-
-def random_inputs(
-    seed: int,
-    *,
-    batch=2,
-    heads=12,
-    kv_heads=2,
-    queries=70,
-    keys=None,
-    head_dim=16,
-    extent=24,
-    first_query=0,
-    padding=(0, 0),
-    query_scale=1.0,
-    dtype=torch.float32,
-    device="cpu",
-):
-    """Inputs shaped like `Inkling2Attention` makes them: queries at positions first_query.., keys ending at the last
-    query; values RMS-normalized; row b of the batch left-padded by padding[b] keys (in stream order)."""
-    keys = queries if keys is None else keys
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(shape, generator=generator) * scale).to(device=device, dtype=dtype)
-
-    value = randn(batch, kv_heads, keys, head_dim)
-    value = value * torch.rsqrt(value.float().square().mean(-1, keepdim=True)).to(dtype)
-    query_positions = torch.arange(first_query, first_query + queries, device=device)
-    key_positions = torch.arange(first_query + queries - keys, first_query + queries, device=device)
-    key_padding = None
-    if any(padding):
-        key_padding = torch.ones(batch, keys, dtype=torch.bool, device=device)
-        for row, count in enumerate(padding):
-            key_padding[row, :count] = False
-    return dict(
-        query=randn(batch, heads, queries, head_dim, scale=query_scale),
-        key=randn(batch, kv_heads, keys, head_dim),
-        value=value,
-        relative_logits=randn(batch, heads, queries, extent),
-        sinks=randn(batch, heads, queries),
-        query_positions=query_positions,
-        key_positions=key_positions,
-        key_padding=key_padding,
-    )
-
-
-def held_in_a_ring(inputs: dict) -> dict:
-    """The same inputs with the keys, values and padding held as the static cache's sliding layers hold them: at
-    slot = position mod K (key_positions then lists each slot's position)."""
-    slots = inputs["key_positions"].remainder(inputs["key"].shape[2])
-    ring = dict(inputs)
-    for name, dim in (("key", 2), ("value", 2), ("key_padding", 1)):
-        if inputs[name] is not None:
-            ring[name] = torch.empty_like(inputs[name]).index_copy_(dim, slots, inputs[name])
-    ring["key_positions"] = torch.empty_like(slots).index_copy_(0, slots, inputs["key_positions"])
-    return ring
 
 
 def max_difference(backend, inputs, sliding_window, scaling):
@@ -173,11 +116,11 @@ _ATTENTION_KERNELS_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from test_attention_backends import held_in_a_ring, random_inputs
-from transformers_inkling2.attention import eager_attention
-from transformers_inkling2.attention_decode_kernel import decode_attention
-from transformers_inkling2.attention_prefill_kernel import prefill_attention, reads_past_rows_in_bounds
-from transformers_inkling2.modeling_inkling2_text import aligned_product
+from inkling2_helpers import held_in_a_ring, random_inputs
+from transformers_inkling2.modeling.attention import eager_attention
+from transformers_inkling2.backends.attention.decode_kernel import decode_attention
+from transformers_inkling2.backends.attention.prefill_kernel import prefill_attention, reads_past_rows_in_bounds
+from transformers_inkling2.backends.attention.relative_logits import aligned_product
 
 cases = {  # name: (inputs, window); keys split over several programs in all but the smallest
     "long keys, padding": (dict(seed=40, queries=8, keys=400, first_query=500, padding=(0, 390)), 16),
@@ -238,7 +181,8 @@ print(json.dumps(results))
 def test_attention_kernels_under_the_triton_interpreter_equal_eager():
     """The fused decode and prefill kernels (what CUDA tensors run), on CPU under Triton's interpreter (fp32 MMAs
     there), against the eager reference."""
-    results = run_under_triton_interpreter(_ATTENTION_KERNELS_SCRIPT, str(Path(__file__).parent))
+    tests_folder = Path(__file__).parents[1]  # where `inkling2_helpers` lives
+    results = run_under_triton_interpreter(_ATTENTION_KERNELS_SCRIPT, str(tests_folder))
     assert len(results) == 22 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
     assert results["compiled"] == 0
 
@@ -471,7 +415,7 @@ def test_gpu_decode_kernel_equals_the_pytorch_path(queries):
         on_cpu = {name: t.cpu() if t is not None else None for name, t in inputs.items()}
         return inkling2_decode_attention(**on_cpu, sliding_window=window, scaling=0.25).cuda()
 
-    from transformers_inkling2.attention_decode_kernel import decode_attention
+    from transformers_inkling2.backends.attention.decode_kernel import decode_attention
 
     cases = [
         (dict(batch=3, heads=12, kv_heads=2, keys=300, head_dim=32, extent=24, padding=(0, 10, 300)), torch.float32),
@@ -517,9 +461,9 @@ def test_gpu_gluon_sliding_prefill_full_size(options):
     extent) to the Triton kernel."""
     if not torch.cuda.is_available() or torch.version.hip or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper under CUDA")
-    from transformers_inkling2 import attention_prefill_gluon
-    from transformers_inkling2.attention_prefill_kernel import prefill_attention
-    from transformers_inkling2.modeling_inkling2_text import aligned_product
+    from transformers_inkling2.backends.attention import prefill_gluon as attention_prefill_gluon
+    from transformers_inkling2.backends.attention.prefill_kernel import prefill_attention
+    from transformers_inkling2.backends.attention.relative_logits import aligned_product
 
     reference = random_inputs(seed=7, batch=len(options["padding"]), heads=48, kv_heads=8, head_dim=128,
                               extent=1024, query_scale=1.5, device="cuda", **options)

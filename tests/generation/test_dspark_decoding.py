@@ -1,16 +1,23 @@
-"""DSpark speculative decoding: greedy output equals plain greedy decoding token for token, sampling keeps the
-target's distribution (a chi-square test), and the drafter's config, checkpoints and training."""
-
-import json
-import logging
+"""DSpark speculative decoding (`generation/dspark.py`): greedy output equals plain greedy decoding token for token,
+sampling keeps the target's distribution (a chi-square test), generation configs turn it on, and its errors. The
+drafter's config, checkpoints and training: `tests/dspark/test_dspark_drafter.py`."""
 
 import pytest
 import torch
-from conftest import ORACLE_TEXT_CONFIG, greedy_generate, left_padded_batch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from safetensors.torch import load_file, save_file
-from test_multimodal import CONFIG as MULTIMODAL_CONFIG
-from test_multimodal import IMAGE_TOKEN, images, prompt_with_placeholders
+from inkling2_helpers import (
+    DRAFTER,
+    IMAGE_TOKEN,
+    MULTIMODAL_CONFIG,
+    ORACLE_TEXT_CONFIG,
+    build_with_drafter,
+    dspark_generate,
+    greedy_generate,
+    images,
+    left_padded_batch,
+    plant_drafts,
+    prompt_with_placeholders,
+)
 
 from transformers_inkling2 import (
     Inkling2Config,
@@ -19,28 +26,14 @@ from transformers_inkling2 import (
     Inkling2ForConditionalGeneration,
     Inkling2TextConfig,
 )
-from transformers_inkling2 import generation_dspark as dspark_generation
-from transformers_inkling2.cache_inkling2 import shift_rows_right
-from transformers_inkling2.tiny import randomize_, tiny_dspark_config
-
-# Three tapped layers of the 12; a context window (16) longer than the target's sliding window (8).
-DRAFTER = tiny_dspark_config(
-    target_layer_ids=[1, 5, 9], intermediate_size=96, num_draft_layers=2, mask_token_id=498
-).to_dict()
-
-
-def build(seed=3, drafter=None, **overrides):
-    config = Inkling2TextConfig(**{**ORACLE_TEXT_CONFIG, **overrides}, dspark_config={**DRAFTER, **(drafter or {})})
-    return randomize_(Inkling2ForCausalLM(config), seed).eval()
+from transformers_inkling2.cache.common import shift_rows_right
+from transformers_inkling2.generation import dspark as dspark_generation
+from transformers_inkling2.tiny import randomize_
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build()
-
-
-def dspark_generate(model, input_ids, attention_mask, new_tokens, **kwargs):
-    return greedy_generate(model, input_ids, attention_mask, new_tokens, dspark=True, **kwargs)
+    return build_with_drafter()
 
 
 @pytest.mark.parametrize("length, pad", [(5, 2), (21, 5), (40, 11)], ids=["short", "past-window", "past-context"])
@@ -48,31 +41,6 @@ def test_greedy_dspark_equals_plain_greedy_with_the_random_drafter(model, length
     input_ids, attention_mask = left_padded_batch(seed=length, length=length, pad=pad)
     expected = greedy_generate(model, input_ids, attention_mask, new_tokens=25)
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 25), expected)
-
-
-def plant_drafts(monkeypatch, reference, prompt_mask, seed=0, perfect=False):
-    """Replaces the drafter's proposals by the reference continuation, wrong at a random position per row and step
-    (or nowhere, when `perfect`). Returns the list of planted error positions (7 = none)."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt_real = prompt_mask.sum(-1)
-    continuation = torch.cat([reference[:, prompt_mask.shape[1] :], torch.zeros_like(reference[:, :8])], dim=1)
-    planted = []
-
-    def draft(self, anchor, alive):
-        generated = self.real_lengths - prompt_real + 1  # tokens generated so far, the anchor included
-        rows = torch.arange(len(anchor))
-        index = (generated[:, None] + torch.arange(self.block_size)).clamp(max=continuation.shape[1] - 1)
-        drafts = continuation[rows[:, None], index]  # finished rows go on with junk
-        errors = torch.randint(0, self.block_size + 1, (len(anchor),), generator=generator)
-        if perfect:
-            errors.fill_(self.block_size)
-        planted.extend(errors.tolist())
-        wrong = errors < self.block_size
-        drafts[rows[wrong], errors[wrong]] = (drafts[rows[wrong], errors[wrong]] + 1) % 490
-        return drafts, None
-
-    monkeypatch.setattr(dspark_generation.DSparkDecoder, "draft", draft)
-    return planted
 
 
 def test_greedy_equals_plain_when_drafts_fail_at_every_position(model, monkeypatch):
@@ -181,6 +149,19 @@ def test_generation_config_field_turns_dspark_on(model, dspark_calls):
     assert dspark_calls == [1]
 
 
+def test_a_saved_generation_config_turns_dspark_on(tmp_path, dspark_calls):
+    from transformers import GenerationConfig
+
+    model = build_with_drafter(seed=4)
+    model.generation_config = GenerationConfig(dspark=True, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids, attention_mask = left_padded_batch(seed=16, length=8, pad=0)
+    with_dspark = loaded.generate(input_ids, attention_mask=attention_mask)
+    assert dspark_calls == [1]
+    assert torch.equal(with_dspark, loaded.generate(input_ids, attention_mask=attention_mask, dspark=False))
+
+
 # --- sampling keeps the target's distribution -----------------------------------------------------------------------
 
 TEMPERATURE = 0.7
@@ -213,7 +194,7 @@ def exact_three_token_distribution(model, prompt, temperature):
 
 @pytest.mark.parametrize("method", ["probabilistic", "greedy"])
 def test_sampling_keeps_the_target_distribution(method):
-    model = build(seed=6, drafter=dict(mask_token_id=7), vocab_size=8, unpadded_vocab_size=8)
+    model = build_with_drafter(seed=6, drafter=dict(mask_token_id=7), vocab_size=8, unpadded_vocab_size=8)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)  # peaked distributions, so that a wrong sampler is visible
     prompt = torch.tensor([[1, 4, 2, 7, 3, 0]])
@@ -242,7 +223,7 @@ def test_sampling_keeps_the_target_distribution(method):
     assert chi_square_p_value(counts, exact_three_token_distribution(model, prompt, 1.0)) < SIGNIFICANCE
 
 
-# --- errors, config --------------------------------------------------------------------------------------------------
+# --- errors --------------------------------------------------------------------------------------------------------
 
 
 def test_clear_errors(model):
@@ -266,13 +247,6 @@ def test_clear_errors(model):
         Inkling2DSparkConfig(head_type="lstm")
 
 
-def test_config_defaults_and_mirroring():
-    config = Inkling2DSparkConfig()
-    assert (config.block_size, config.markov_rank, config.head_type, config.mask_token_id) == (7, 256, "rnn", 200064)
-    multimodal = Inkling2Config(**MULTIMODAL_CONFIG, dspark_config=DRAFTER)
-    assert multimodal.text_config.dspark_config is multimodal.dspark_config
-
-
 def test_shift_rows_right():
     tensor = torch.arange(2 * 3 * 5).view(2, 3, 5)
     shifted = shift_rows_right(tensor, torch.tensor([0, 2]), dim=-1)
@@ -280,145 +254,9 @@ def test_shift_rows_right():
     assert torch.equal(shifted[1], torch.cat([torch.zeros(3, 2, dtype=tensor.dtype), tensor[1, :, :3]], dim=1))
 
 
-# --- checkpoints ---------------------------------------------------------------------------------------------------
-
-
-def test_save_and_load_keep_the_drafter(model, tmp_path):
-    model.save_pretrained(tmp_path)
-    names = set(load_file(str(tmp_path / "model.safetensors")))
-    # the target's renamings to the original layout leave the drafter's names alone
-    assert {name for name in names if name.startswith("dspark.")} == {f"dspark.{k}" for k in model.dspark.state_dict()}
-    loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
-    for name, tensor in model.dspark.state_dict().items():
-        assert torch.equal(loaded.dspark.state_dict()[name], tensor), name
-    input_ids, attention_mask = left_padded_batch(seed=13, length=9, pad=2)
-    assert torch.equal(
-        dspark_generate(loaded, input_ids, attention_mask, 10), greedy_generate(model, input_ids, attention_mask, 10)
-    )
-
-
-def test_a_saved_generation_config_turns_dspark_on(tmp_path, dspark_calls):
-    from transformers import GenerationConfig
-
-    model = build(seed=4)
-    model.generation_config = GenerationConfig(dspark=True, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    model.save_pretrained(tmp_path)
-    loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
-    input_ids, attention_mask = left_padded_batch(seed=16, length=8, pad=0)
-    with_dspark = loaded.generate(input_ids, attention_mask=attention_mask)
-    assert dspark_calls == [1]
-    assert torch.equal(with_dspark, loaded.generate(input_ids, attention_mask=attention_mask, dspark=False))
-
-
-def write_official_layout(model, folder, drafter_names=lambda name: f"model.mtp.{name}", with_config=True):
-    """The target as usual plus the drafter in a separate `mtp.safetensors`."""
-    target = Inkling2ForCausalLM(Inkling2TextConfig(**ORACLE_TEXT_CONFIG))
-    target.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("dspark.")})
-    target.save_pretrained(folder)
-    drafter = {drafter_names(name): tensor.contiguous() for name, tensor in model.dspark.state_dict().items()}
-    save_file(
-        {name.replace("context_norm.", "hidden_norm."): t for name, t in drafter.items()}, folder / "mtp.safetensors"
-    )
-    if with_config:
-        config = json.loads((folder / "config.json").read_text())
-        config["dspark_config"] = DRAFTER
-        (folder / "config.json").write_text(json.dumps(config))
-
-
-def test_mtp_file_loads_into_the_drafter(model, tmp_path):
-    write_official_layout(model, tmp_path)
-    loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
-    for name, tensor in model.dspark.state_dict().items():
-        assert torch.equal(loaded.dspark.state_dict()[name], tensor), name
-
-
-def test_unmappable_mtp_file_disables_dspark_with_a_warning(model, tmp_path, caplog):
-    write_official_layout(model, tmp_path, drafter_names=lambda name: f"speculator.{name}")
-    with caplog.at_level(logging.WARNING):
-        loaded = Inkling2ForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.dspark is None
-    assert "DSpark disabled" in caplog.text and "speculator." in caplog.text
-    input_ids, attention_mask = left_padded_batch(seed=14, length=9, pad=2)
-    with torch.no_grad():
-        assert torch.equal(
-            loaded(input_ids, attention_mask=attention_mask).logits,
-            model(input_ids, attention_mask=attention_mask).logits,
-        )
-
-
-def test_mtp_file_without_a_drafter_config_needs_the_tapped_layers(model, tmp_path, caplog):
-    """Without `dspark_config`, the shape is read off the tensors, but the tapped layers cannot be: disabled."""
-    write_official_layout(model, tmp_path, with_config=False)
-    with caplog.at_level(logging.WARNING):
-        loaded = Inkling2ForCausalLM.from_pretrained(tmp_path)
-    assert loaded.dspark is None and "target_layer_ids" in caplog.text
-
-
-# --- training ------------------------------------------------------------------------------------------------------
-
-
-def test_a_drafter_distilled_from_its_target_drafts_several_tokens_per_step():
-    """End to end on a deterministic language (a 13-token cycle): train the target, let it write its own training
-    text, distill the drafter, and decode with it; the drafts must be accepted several at a time."""
-    from transformers_inkling2.dspark_training import (
-        attach_new_drafter,
-        default_dspark_config,
-        target_written_windows,
-        token_windows,
-        train_dspark,
-        window_batches,
-    )
-
-    torch.manual_seed(0)
-    model = build(seed=2, drafter=dict(target_layer_ids=[1, 3]), num_hidden_layers=6, layer_types=None)
-    tokens = torch.randperm(40)[torch.arange(5000) % 13]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _, input_ids in zip(range(40), token_windows(tokens, 48, 8)):
-        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    attach_new_drafter(model, default_dspark_config(model.config, num_draft_layers=1, markov_rank=16))
-    windows = target_written_windows(model, tokens, count=16, window=48, batch_size=16)
-    losses = train_dspark(model, window_batches(windows, 8), steps=200, learning_rate=3e-3, anchors_per_window=8)
-    assert sum(losses[-5:]) < 0.6 * sum(losses[:5])
-    prompt = tokens[None, 3:23]
-    out = dspark_generate(model, prompt, torch.ones_like(prompt), 40, return_dict_in_generate=True)
-    assert torch.equal(out.sequences, greedy_generate(model, prompt, torch.ones_like(prompt), 40))
-    assert out.mean_accepted_length >= 4
-
-
-def test_train_dspark_command_writes_a_loadable_model(tmp_path):
-    from transformers_inkling2.cli import main
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("The sea is calm tonight. The tide is full, the moon lies fair upon the straits. " * 20)
-    main(["train-dspark", "--output", str(tmp_path / "out"), "--corpus", str(corpus), "--steps", "2", "--window", "64",
-          "--batch-size", "2", "--anchors", "4", "--device", "cpu", "--self-distill", "2"])  # fmt: skip
-    assert Inkling2ForConditionalGeneration.from_pretrained(tmp_path / "out").dspark is not None
-
-
 @pytest.mark.gpu
 def test_greedy_dspark_equals_plain_greedy_on_gpu():
-    model = build(seed=3).to("cuda")
+    model = build_with_drafter(seed=3).to("cuda")
     input_ids, attention_mask = (t.cuda() for t in left_padded_batch(seed=15, length=30, pad=7))
     expected = greedy_generate(model, input_ids, attention_mask, new_tokens=40)
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 40), expected)
-
-
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_drafter_attention_equals_sdpa(dtype, tolerance):
-    """The drafter's plain-matmul attention against PyTorch's SDPA on fresh random inputs, grouped heads, masked keys."""
-    from transformers_inkling2.modeling_inkling2_dspark import attend
-
-    generator = torch.Generator().manual_seed(17)
-    q, k, v = (torch.randn(shape, generator=generator).to(dtype) for shape in ((2, 8, 14, 16), (2, 2, 30, 16), (2, 2, 30, 16)))
-    bias = torch.randn(2, 8, 14, 30, generator=generator)
-    bias[..., :5] = float("-inf")
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=True
-    )
-    actual = attend(q, k, v, bias).float()
-    assert (actual - expected).norm() / expected.norm() < tolerance

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from transformers_inkling2.cli import build_parser
-from transformers_inkling2.serving import ChatCompletions, Inkling2Server, model_generate_fn, to_template_messages
+from transformers_inkling2.serving.server import ChatCompletions, Inkling2Server, model_generate_fn, to_template_messages
 from transformers_inkling2.tiny import build_tiny_causal_lm
-from transformers_inkling2.tokenization_inkling2 import build_inkling2_tokenizer
+from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -75,8 +75,8 @@ def tiny_model():
 
 @pytest.fixture(scope="module")
 def processor(tok):
-    processing = pytest.importorskip("transformers_inkling2.processing_inkling2")
-    from transformers_inkling2.image_processing_inkling2 import Inkling2ImageProcessorPil
+    processing = pytest.importorskip("transformers_inkling2.processing.processing_inkling2")
+    from transformers_inkling2.processing.image_processing_inkling2 import Inkling2ImageProcessorPil
 
     return processing.Inkling2Processor(image_processor=Inkling2ImageProcessorPil(), tokenizer=tok)
 
@@ -320,7 +320,7 @@ def test_the_tiny_model_end_to_end(tok, tiny_model):
     with torch.no_grad():  # and it is what generate() writes for this prompt
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
         output = tiny_model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
-    from transformers_inkling2.response_parsing import parse_response
+    from transformers_inkling2.processing.response_parsing import parse_response
 
     assert (parse_response(output[0, prompt.shape[1] :], tok)["content"] or None) == reply.choices[0].message.content
 

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration, Inkling2TextConfig
-from transformers_inkling2.planning import memory_plan
-from transformers_inkling2.quantize import quantize_checkpoint
-from transformers_inkling2.tensor_parallel import (
-    LM_HEAD_TP_PLAN,
+from transformers_inkling2.parallel.planning import memory_plan
+from transformers_inkling2.quantization.quantize import quantize_checkpoint
+from transformers_inkling2.parallel.tensor_parallel import (
     TEXT_MODEL_EP_PLAN,
     TEXT_MODEL_TP_PLAN,
     AttentionHeads,
@@ -152,7 +151,7 @@ def test_every_plan_rule_names_a_module_or_parameter_of_the_model():
         ".".join("*" if part.isdigit() else part for part in name.split("."))
         for name, _ in [*model.named_modules(), *model.named_parameters()]
     }
-    for rule in [*LM_HEAD_TP_PLAN, *(f"model.{rule}" for rule in [*TEXT_MODEL_TP_PLAN, *TEXT_MODEL_EP_PLAN])]:
+    for rule in [*Inkling2ForCausalLM._tp_plan, *(f"model.{rule}" for rule in [*TEXT_MODEL_TP_PLAN, *TEXT_MODEL_EP_PLAN])]:
         assert rule in names, rule
     assert model.tp_plan["lm_head"] == "colwise_gather_output" and model.ep_plan
 
@@ -171,7 +170,7 @@ def test_full_scale_benchmark_builds_split_and_measures(tmp_path):
     """`benchmarks/full_scale.py --quick` (the full-model script at toy width): built straight into its blocks on one
     and on two ranks, every measurement taken; a rank of two holds less than the whole model and more than half
     (attention and experts split, embedding and norms replicated)."""
-    script = Path(__file__).parents[1] / "benchmarks" / "full_scale.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "full_scale.py"
     held = {}
     for ranks in (1, 2):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",

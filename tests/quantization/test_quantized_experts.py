@@ -4,13 +4,14 @@ import json
 
 import pytest
 import torch
-from conftest import ORACLE_TEXT_CONFIG
+from inkling2_helpers import ORACLE_TEXT_CONFIG
 from safetensors.torch import load_file, save_file
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2TextConfig
-from transformers_inkling2 import quantized_formats as qf
-from transformers_inkling2.experts import Inkling2Experts, Inkling2QuantizedExperts
-from transformers_inkling2.quantize import quantize_checkpoint
+from transformers_inkling2.quantization import formats as qf
+from transformers_inkling2.modeling.experts import Inkling2Experts
+from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
+from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import randomize_
 
 # hidden 64 and expert width 32: whole MXFP8 (32) and NVFP4 (16) blocks
@@ -213,7 +214,7 @@ def test_grouped_bf16_experts_equal_the_reference_loop():
 
 
 def test_grouped_experts_split_long_inputs_into_chunks_with_the_same_result(monkeypatch):
-    from transformers_inkling2 import experts as experts_module
+    from transformers_inkling2.modeling import experts as experts_module
 
     experts = randomize_(Inkling2Experts(Inkling2TextConfig(**CONFIG)), seed=4)
     generator = torch.Generator().manual_seed(4)
@@ -253,7 +254,7 @@ def test_the_hub_kernel_is_one_opaque_op_under_torch_compile(checkpoints):
     """`torch.compile` (the compiled decode steps, fullgraph) calls the kernel as the custom op
     `inkling2::routed_experts` instead of tracing into it: traced, its Gluon decode kernels would go to Inductor's
     Triton compiler, which cannot build them."""
-    from transformers_inkling2.kernel_loading import routed_experts
+    from transformers_inkling2.backends.kernel_loading import routed_experts
 
     experts = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed").model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(11)

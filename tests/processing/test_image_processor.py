@@ -16,7 +16,7 @@ import PIL.Image
 import pytest
 import torch
 
-from transformers_inkling2.image_processing_inkling2 import Inkling2ImageProcessorPil
+from transformers_inkling2.processing.image_processing_inkling2 import Inkling2ImageProcessorPil
 
 CELL = 40  # patch 20 x merge 2
 PADDING = (-1 - 127.5) / 127.5  # -1 on the 0-255 scale, then (x / 255 - 0.5) / 0.5

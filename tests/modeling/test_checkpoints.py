@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ORACLE_TEXT_CONFIG, build_pair
+from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM

@@ -16,8 +16,8 @@ import jinja2
 import pytest
 from PIL import Image
 
-from transformers_inkling2.chat_template import CHAT_TEMPLATE, EFFORT_LEVELS
-from transformers_inkling2.tokenization_inkling2 import Inkling2Tokenizer, build_inkling2_tokenizer
+from transformers_inkling2.processing.chat_template import CHAT_TEMPLATE, EFFORT_LEVELS
+from transformers_inkling2.processing.tokenization_inkling2 import Inkling2Tokenizer, build_inkling2_tokenizer
 
 tml = pytest.importorskip("tml_renderers")
 from tml_renderers import chat as tml_chat

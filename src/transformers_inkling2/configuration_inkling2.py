@@ -45,7 +45,32 @@ TEXT_MODEL_EP_PLAN = {
     "layers.*.mlp.experts": "ep_dispatch_experts",
 }
 
+def require_positive(config: PreTrainedConfig, fields: tuple[str, ...]) -> None:
+    """Sizes, counts and scales that only make sense above zero: a clear error naming each field that is not, before
+    any check that would divide by it."""
+    wrong = {name: getattr(config, name) for name in fields if not getattr(config, name) > 0}
+    if wrong:
+        listing = ", ".join(f"`{name}` = {value!r}" for name, value in wrong.items())
+        raise ValueError(f"{type(config).__name__}: {listing}; each must be positive.")
+
+
 DSPARK_HEAD_TYPES = ("rnn", "vanilla")
+POSITIVE_DSPARK_FIELDS = (
+    "block_size", "markov_rank", "num_draft_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "context_window", "distance_buckets", "rms_norm_eps",
+)  # fmt: skip
+POSITIVE_TEXT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "sliding_window_size", "d_rel",
+    "rel_extent", "log_scaling_n_floor", "max_position_embeddings", "rms_norm_eps", "conv_kernel_size",
+    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "route_scale", "qk_l2_clip_threshold",
+    "rel_l2_clip_threshold", "n_layers_per_attn_res_block", "mlp_gate_softcap", "mlp_up_softcap",
+    "final_logit_softcapping",
+)  # fmt: skip
+POSITIVE_VISION_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
+    "layer_norm_eps", "spatial_merge_size", "posemb_grid_size", "projection_hidden_dim", "text_hidden_size",
+)  # fmt: skip
 
 
 @strict
@@ -100,6 +125,7 @@ class Inkling2DSparkConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
+        require_positive(self, POSITIVE_DSPARK_FIELDS)
         super().validate_architecture()
         if self.head_type not in DSPARK_HEAD_TYPES:
             raise ValueError(f"`head_type` must be one of {DSPARK_HEAD_TYPES}, got {self.head_type!r}.")
@@ -108,10 +134,8 @@ class Inkling2DSparkConfig(PreTrainedConfig):
                 f"DSpark `num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
                 f"`num_key_value_heads` ({self.num_key_value_heads})."
             )
-        if self.block_size < 1 or self.context_window < 1 or self.distance_buckets < 1 or not self.target_layer_ids:
-            raise ValueError(
-                "DSpark needs a positive `block_size`, `context_window`, `distance_buckets` and target layers."
-            )
+        if not self.target_layer_ids:
+            raise ValueError("DSpark needs `target_layer_ids`: the target layers whose outputs it reads.")
 
     def check_fits_target(self, text_config: "Inkling2TextConfig") -> None:
         """The drafter reads the target's layers and shares its embedding: their sizes must agree."""
@@ -236,6 +260,7 @@ class Inkling2TextConfig(PreTrainedConfig):
             )
 
     def validate_architecture(self):
+        require_positive(self, POSITIVE_TEXT_FIELDS)
         super().validate_architecture()
         for prefix, heads, kv_heads in (
             ("", self.num_attention_heads, self.num_key_value_heads),
@@ -327,6 +352,7 @@ class Inkling2VisionConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
+        require_positive(self, POSITIVE_VISION_FIELDS)
         super().validate_architecture()
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(

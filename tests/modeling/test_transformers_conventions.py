@@ -41,3 +41,21 @@ def test_config_output_hidden_states_is_read():
     hidden = model(input_ids=ids).hidden_states
     assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
     assert model(input_ids=ids, output_hidden_states=False).hidden_states is None
+
+
+@pytest.mark.parametrize(
+    "config_class, field, value",
+    [
+        ("Inkling2TextConfig", "hidden_size", -8),
+        ("Inkling2TextConfig", "sliding_window_size", -1),
+        ("Inkling2TextConfig", "num_key_value_heads", 0),  # before the head-ratio check would divide by it
+        ("Inkling2TextConfig", "rms_norm_eps", 0.0),
+        ("Inkling2VisionConfig", "patch_size", 0),
+        ("Inkling2DSparkConfig", "block_size", 0),
+    ],
+)
+def test_config_validation_names_the_impossible_field(config_class, field, value):
+    import transformers_inkling2
+
+    with pytest.raises(Exception, match=rf"`{field}` = {value}; each must be positive"):
+        getattr(transformers_inkling2, config_class)(**{field: value})

@@ -87,6 +87,19 @@ def load_image(source: str | os.PathLike) -> PIL.Image.Image:
     return PIL.ImageOps.exif_transpose(image)
 
 
+# Pillow's modes for more than 8 bits a channel (16-bit grayscale PNGs open as "I;16"; "I" holds the same range)
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def to_eight_bits(image: PIL.Image.Image) -> PIL.Image.Image:
+    """A 16-bit grayscale image scaled to 8 bits (`value * 255 / 65535`, rounded); Pillow's own `convert` clips
+    every value above 255 to white. Other images are returned as they are."""
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    values = np.asarray(image, dtype=np.int64).clip(0, 65535)
+    return PIL.Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+
+
 def checkerboard(height: int, width: int) -> np.ndarray:
     """The `[height, width]` background that transparent pixels are composited onto."""
     rows = np.arange(height)[:, None] // CHECKER_SQUARE
@@ -267,6 +280,7 @@ class Inkling2ImageProcessorPil(PilBackend):
     ) -> np.ndarray:
         """One input image -> `[C, H, W]` array (uint8 for PIL input), RGB when `do_convert_rgb`."""
         if isinstance(image, PIL.Image.Image):
+            image = to_eight_bits(image)
             if do_convert_rgb:
                 # keep transparency so that it is composited onto the checkerboard below, not dropped
                 image = image.convert("RGBA" if image.has_transparency_data else "RGB")

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dspark import target_config  # noqa: E402
 
 from transformers_inkling2 import Inkling2ForCausalLM  # noqa: E402
-from transformers_inkling2.generation import dspark as generation_dspark  # noqa: E402
 from transformers_inkling2.dspark.training import attach_new_drafter, default_dspark_config  # noqa: E402
+from transformers_inkling2.generation import dspark as generation_dspark  # noqa: E402
 
 VOCAB = 6307
 PHASES = ("draft", "target", "commit", "step")

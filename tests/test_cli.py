@@ -47,8 +47,8 @@ def test_compile_needs_the_static_cache():
 
 
 def test_main_job_on_a_text_only_checkpoint_uses_the_text_generation_pipeline(tmp_path, capsys):
-    from transformers_inkling2.tiny import build_tiny_causal_lm
     from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
+    from transformers_inkling2.tiny import build_tiny_causal_lm
 
     build_tiny_causal_lm().save_pretrained(tmp_path)
     build_inkling2_tokenizer().save_pretrained(tmp_path)

@@ -15,13 +15,13 @@ from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 from safetensors.torch import load_file
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration, Inkling2TextConfig
-from transformers_inkling2.modeling.experts import Inkling2Experts
-from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 from transformers_inkling2.finetuning import (
     DEFAULT_LORA_TARGET_MODULES,
     EXPERT_LORA_TARGET_PARAMETERS,
     refuse_lora_on_quantized_experts,
 )
+from transformers_inkling2.modeling.experts import Inkling2Experts
+from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import randomize_, tiny_config
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from inkling2_helpers import held_in_a_ring, needs_triton, random_inputs, run_under_triton_interpreter
 
-from transformers_inkling2.modeling.attention import ATTENTION_BACKENDS, eager_attention
 from transformers_inkling2.backends.attention.flex import (
     BLOCK_SIZE,
     distance_block_tables,
@@ -24,6 +23,7 @@ from transformers_inkling2.backends.attention.flex import (
     inkling2_flex_decode_attention,
     inkling2_triton_attention,
 )
+from transformers_inkling2.modeling.attention import ATTENTION_BACKENDS, eager_attention
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 

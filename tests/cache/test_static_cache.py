@@ -16,7 +16,6 @@ from inkling2_helpers import (
 )
 
 from transformers_inkling2 import Inkling2Cache, Inkling2StaticCache
-from transformers_inkling2.cache.common import shift_rows_right
 from transformers_inkling2.cache.common import initial_slot_positions, shift_rows_right
 from transformers_inkling2.generation import dspark as dspark_generation
 

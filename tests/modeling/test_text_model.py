@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
 
 from transformers_inkling2 import Inkling2Config, Inkling2TextConfig
 

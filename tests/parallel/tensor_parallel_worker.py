@@ -19,8 +19,8 @@ from transformers import DistributedConfig
 
 import transformers_inkling2  # noqa: F401  (registers the classes)
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration
-from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 from transformers_inkling2.parallel.tensor_parallel import local_tensor
+from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 
 NEW_TOKENS = 8
 

@@ -17,7 +17,6 @@ import torch
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration, Inkling2TextConfig
 from transformers_inkling2.parallel.planning import memory_plan
-from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.parallel.tensor_parallel import (
     TEXT_MODEL_EP_PLAN,
     TEXT_MODEL_TP_PLAN,
@@ -25,6 +24,7 @@ from transformers_inkling2.parallel.tensor_parallel import (
     valid_parallel_sizes,
     validate_parallel_size,
 )
+from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import randomize_, tiny_config, tiny_dspark_config, tiny_text_config
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")

@@ -17,8 +17,8 @@ from transformers_inkling2.processing.response_parsing import (
     Inkling2ResponseStreamer,
     parse_response,
 )
-from transformers_inkling2.tiny import build_tiny_causal_lm
 from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
+from transformers_inkling2.tiny import build_tiny_causal_lm
 
 THINK, TEXT, END, MODEL, EOT = (
     "<|content_thinking|>",

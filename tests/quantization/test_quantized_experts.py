@@ -8,8 +8,8 @@ from inkling2_helpers import ORACLE_TEXT_CONFIG
 from safetensors.torch import load_file, save_file
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2TextConfig
-from transformers_inkling2.quantization import formats as qf
 from transformers_inkling2.modeling.experts import Inkling2Experts
+from transformers_inkling2.quantization import formats as qf
 from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import randomize_

@@ -13,9 +13,14 @@ import pytest
 import torch
 
 from transformers_inkling2.cli import build_parser
-from transformers_inkling2.serving.server import ChatCompletions, Inkling2Server, model_generate_fn, to_template_messages
-from transformers_inkling2.tiny import build_tiny_causal_lm
 from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
+from transformers_inkling2.serving.server import (
+    ChatCompletions,
+    Inkling2Server,
+    model_generate_fn,
+    to_template_messages,
+)
+from transformers_inkling2.tiny import build_tiny_causal_lm
 
 openai = pytest.importorskip("openai")
 

@@ -34,6 +34,7 @@ from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2Text
 from .attention import get_attention_backend
 from .experts import Inkling2Experts, softcap
 from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
+from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
 from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
 from .norms import Inkling2RMSNorm, rms_normalize
 from .tensors import local_tensor
@@ -396,22 +397,6 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
-def raise_on_incomplete_load(class_name: str, loading_info: dict) -> None:
-    problems = {kind: sorted(loading_info.get(kind) or ()) for kind in ("missing_keys", "unexpected_keys")}
-    if not any(problems.values()):
-        return
-    listing = "; ".join(
-        f"{kind.replace('_', ' ')} ({len(keys)}): {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}"
-        for kind, keys in problems.items()
-        if keys
-    )
-    raise ValueError(
-        f"The checkpoint does not match {class_name}: {listing}. Names are after conversion from the original "
-        "layout (`model.llm.*`). Check that the checkpoint and the config belong together, or pass "
-        "`allow_incomplete_checkpoint=True` to load it anyway with the missing tensors freshly initialized."
-    )
-
-
 class Inkling2PreTrainedModel(PreTrainedModel):
     config: Inkling2Config
     base_model_prefix = "model"
@@ -453,12 +438,20 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         KERNELS.load()
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, allow_incomplete_checkpoint=False, **kwargs):
-        """Loads like any transformers model, with the steps registered in `interfaces.LOADING_HOOKS` (the experts'
-        storage read from the tensor headers before the model is built, the bundled drafter, scale checks); but a
-        checkpoint with missing or unexpected tensors is an error (naming them) instead of a warning that leaves part
-        of the model random. Pass `allow_incomplete_checkpoint=True` to accept such a checkpoint, e.g. to initialize
-        new parts."""
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        allow_incomplete_checkpoint: bool = False,
+        check_finite_weights: bool = True,
+        **kwargs,
+    ):
+        """Loads like any transformers model (a few missing or unexpected tensors are reported and the missing ones
+        initialized), with the steps registered in `interfaces.LOADING_HOOKS` (the experts' storage read from the
+        tensor headers before the model is built, the bundled drafter, scale checks) and three checks that fail
+        loudly, naming the tensor (`loading_checks`): a checkpoint whose names did not convert (most of the model
+        missing; `allow_incomplete_checkpoint=True` loads it anyway), a weight stored as integers, and NaN or
+        infinite weights (`check_finite_weights=False` skips that one; see docs/loading.md for its cost)."""
         checkpoint, revision = pretrained_model_name_or_path, kwargs.get("revision")
         return_info = kwargs.pop("output_loading_info", False)
         config = kwargs.pop("config", None)
@@ -475,7 +468,10 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         for finish_loading in LOADING_HOOKS.stage("model"):
             finish_loading(model, checkpoint, revision, info)
         if not allow_incomplete_checkpoint:
-            raise_on_incomplete_load(cls.__name__, info)
+            raise_on_unconverted_load(model, info)
+        raise_on_non_float_tensors(model, checkpoint, revision)
+        if check_finite_weights:
+            raise_on_non_finite_weights(model)
         return (model, info) if return_info else model
 
     @classmethod

@@ -21,9 +21,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers.utils import logging
 
+from ..modeling.loading_checks import tensor_headers
 from ..modeling.tensors import local_tensor
 from . import formats as qf
 from .experts import NVFP4_OUTER_SCALES, Inkling2QuantizedExperts
@@ -46,34 +46,14 @@ class ExpertTensor:
         return f"{self.name} ({self.dtype} {self.shape})"
 
 
-def tensor_headers(checkpoint: str | Path, revision: str | None = None):
-    """(name, dtype, shape) of every tensor of a local folder or Hub repo, from the safetensors headers only (a Hub
-    repo's headers are read remotely, without downloading the weights). The speculator's `mtp*` files aside."""
-    folder = Path(checkpoint)
-    if folder.is_dir():
-        for file in sorted(folder.glob("*.safetensors")):
-            if not file.name.startswith("mtp"):
-                with safe_open(file, "pt") as handle:
-                    for name in handle.keys():
-                        header = handle.get_slice(name)
-                        yield name, header.get_dtype(), list(header.get_shape())
-        return
-    from huggingface_hub import get_safetensors_metadata
-
-    for file, metadata in get_safetensors_metadata(str(checkpoint), revision=revision).files_metadata.items():
-        if not file.startswith("mtp"):
-            for name, info in metadata.tensors.items():
-                yield name, info.dtype, list(info.shape)
-
-
 def read_expert_tensors(checkpoint: str | Path, revision: str | None = None) -> dict[int, dict[tuple[str, str], ExpertTensor]]:
     """{layer: {(matrix, suffix): tensor}} of the routed-expert tensors."""
     layers: dict[int, dict] = defaultdict(dict)
-    for name, dtype, shape in tensor_headers(checkpoint, revision):
+    for name, dtype, shape in tensor_headers(str(checkpoint), revision):
         match = EXPERT_TENSOR.search(name)
         if match:
             matrix = "gate_up" if match["matrix"] in ("w13_weight", "gate_up_proj") else "down"
-            layers[int(match["layer"])][(matrix, match["suffix"] or "")] = ExpertTensor(name, dtype, shape)
+            layers[int(match["layer"])][(matrix, match["suffix"] or "")] = ExpertTensor(name, dtype, list(shape))
     return layers
 
 

@@ -36,6 +36,7 @@ from transformers import (
     AutoProcessor,
     AutoTokenizer,
 )
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
 from .cache.dynamic import Inkling2Cache
 from .cache.static import Inkling2StaticCache
@@ -49,7 +50,7 @@ from .modeling.modeling_inkling2_text import Inkling2ForCausalLM, Inkling2PreTra
 from .modeling.modeling_inkling2_vision import Inkling2VisionModel
 from .parallel.planning import format_plan, memory_plan
 from .parallel.tensor_parallel import register_parallel_styles, validate_parallel_size
-from .processing.image_processing_inkling2 import Inkling2ImageProcessorPil
+from .processing.image_processing_inkling2 import Inkling2ImageProcessor, Inkling2ImageProcessorPil
 from .processing.processing_inkling2 import Inkling2MultimodalProcessor, Inkling2Processor
 from .processing.response_parsing import Inkling2ResponseParser, Inkling2ResponseStreamer, parse_response
 from .processing.tokenization_inkling2 import Inkling2Tokenizer, build_inkling2_tokenizer
@@ -80,10 +81,13 @@ def _register_auto_classes() -> None:
     AutoModelForMultimodalLM.register(Inkling2Config, Inkling2ForConditionalGeneration, exist_ok=True)
     for config_class in (Inkling2Config, Inkling2TextConfig):
         AutoTokenizer.register(config_class, tokenizer_class=Inkling2Tokenizer, exist_ok=True)
-    # a "pil" backend: the built-in image processor needs torchvision, ours does not
-    image_processors = {"pil": Inkling2ImageProcessorPil, "torchvision": None}
+    # ours for either backend: the built-in image processor needs torchvision, ours does not. Checkpoints made for
+    # the built-in port name `Inkling2Processor` / `Inkling2ImageProcessor`: ours carry the same names, the image
+    # processor's found through this registration, the processor's once transformers' own name entry is gone
+    image_processors = {"pil": Inkling2ImageProcessor, "torchvision": Inkling2ImageProcessor}
     AutoImageProcessor.register(Inkling2Config, image_processor_classes=image_processors, exist_ok=True)
-    AutoProcessor.register(Inkling2Config, Inkling2MultimodalProcessor, exist_ok=True)
+    AutoProcessor.register(Inkling2Config, Inkling2Processor, exist_ok=True)
+    PROCESSOR_MAPPING_NAMES.pop(Inkling2Config.model_type, None)
 
 
 def _register_fast_paths() -> None:
@@ -151,6 +155,7 @@ __all__ = [
     "Inkling2DecodeGraphs",
     "Inkling2ForCausalLM",
     "Inkling2ForConditionalGeneration",
+    "Inkling2ImageProcessor",
     "Inkling2ImageProcessorPil",
     "Inkling2Model",
     "Inkling2MultimodalProcessor",

@@ -101,8 +101,8 @@ def build_tiny_model(seed: int = 0, dspark: bool = False, **text_overrides):
 
 def build_tiny_processor():
     """The real tokenizer, chat template and image processor."""
-    from .processing.image_processing_inkling2 import Inkling2ImageProcessorPil
+    from .processing.image_processing_inkling2 import Inkling2ImageProcessor
     from .processing.processing_inkling2 import Inkling2Processor
     from .processing.tokenization_inkling2 import build_inkling2_tokenizer
 
-    return Inkling2Processor(image_processor=Inkling2ImageProcessorPil(), tokenizer=build_inkling2_tokenizer())
+    return Inkling2Processor(image_processor=Inkling2ImageProcessor(), tokenizer=build_inkling2_tokenizer())

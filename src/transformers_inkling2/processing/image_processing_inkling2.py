@@ -12,9 +12,9 @@ What the ViT expects, and what this produces for each image:
    `[image tokens, 40, 40, 3]` for all images together, and `image_grid_thw` = `[1, token rows, token cols]`
    per image.
 
-The built-in `transformers` `Inkling2ImageProcessor` does the same on torchvision; this class is named
-`Inkling2ImageProcessorPil` so that transformers' name lookup does not resolve it to the built-in one, and is meant
-to be registered for the `"pil"` backend.
+The built-in `transformers` `Inkling2ImageProcessor` does the same on torchvision; ours needs only Pillow and NumPy.
+It carries the same class name, which checkpoints write as `image_processor_type`: importing this package registers
+it for both of transformers' backends, so that the name resolves to it (`Inkling2ImageProcessorPil` is an alias).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def to_token_blocks(image: np.ndarray, cell_height: int, cell_width: int) -> np.
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class Inkling2ImageProcessorPil(PilBackend):
+class Inkling2ImageProcessor(PilBackend):
     r"""
     Turns images into Inkling2's `pixel_values` (`[image tokens, 40, 40, 3]`, float32) and `image_grid_thw`
     (`[images, 3]`, `[1, token rows, token cols]`), without torchvision.
@@ -363,4 +363,8 @@ class Inkling2ImageProcessorPil(PilBackend):
         return BatchFeature(data=data, tensor_type=return_tensors)
 
 
-__all__ = ["Inkling2ImageProcessorPil", "Inkling2ImageProcessorKwargs"]
+# transformers names an image processor class by its backend (`...Pil`); ours has one backend, and checkpoints name
+# it `Inkling2ImageProcessor`
+Inkling2ImageProcessorPil = Inkling2ImageProcessor
+
+__all__ = ["Inkling2ImageProcessor", "Inkling2ImageProcessorKwargs", "Inkling2ImageProcessorPil"]

@@ -6,17 +6,18 @@ expands it into one placeholder per image feature, `tokens rows x token cols` of
 (matching placeholders to images, with clear errors when their counts differ); this class says how many
 placeholders an image takes.
 
-The class is named `Inkling2MultimodalProcessor` (exported as `Inkling2Processor` too): transformers resolves the
-name `Inkling2Processor` in a saved `processor_config.json` to its own, torchvision-based class first.
+Checkpoints name it `Inkling2Processor` in `processor_config.json`, as transformers' built-in port does: importing
+this package makes that name (and the image processor's) resolve to ours in every Auto class and pipeline
+(`transformers_inkling2/__init__.py`), without torchvision.
 """
 
 from transformers import ProcessorMixin
 
-from .image_processing_inkling2 import Inkling2ImageProcessorPil
+from .image_processing_inkling2 import Inkling2ImageProcessor
 from .tokenization_inkling2 import IMAGE_TOKEN, Inkling2Tokenizer
 
 
-class Inkling2MultimodalProcessor(ProcessorMixin):
+class Inkling2Processor(ProcessorMixin):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         self.image_token = IMAGE_TOKEN
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
@@ -30,7 +31,7 @@ class Inkling2MultimodalProcessor(ProcessorMixin):
         files carry, so that official checkpoints load too."""
         kwargs.pop("subfolder", None)
         return [
-            Inkling2ImageProcessorPil.from_pretrained(pretrained_model_name_or_path, **kwargs),
+            Inkling2ImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs),
             Inkling2Tokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs),
         ]
 
@@ -43,6 +44,6 @@ class Inkling2MultimodalProcessor(ProcessorMixin):
         return ["input_ids", "attention_mask", "pixel_values", "image_grid_thw"]
 
 
-Inkling2Processor = Inkling2MultimodalProcessor
+Inkling2MultimodalProcessor = Inkling2Processor  # its name in earlier versions of this package
 
 __all__ = ["Inkling2MultimodalProcessor", "Inkling2Processor"]

@@ -59,3 +59,18 @@ def test_config_validation_names_the_impossible_field(config_class, field, value
 
     with pytest.raises(Exception, match=rf"`{field}` = {value}; each must be positive"):
         getattr(transformers_inkling2, config_class)(**{field: value})
+
+
+def test_get_image_features_returns_the_vision_output_with_each_images_features():
+    from inkling2_helpers import images
+
+    model = build_tiny_model().eval()
+    pixel_values, grid = images((2, 3), (1, 2))
+    with torch.no_grad():
+        outputs = model.get_image_features(pixel_values, grid, output_hidden_states=True)
+        as_tuple = model.get_image_features(pixel_values, grid, return_dict=False)
+        features_at_placeholders = model.model.vision_tower(pixel_values=pixel_values, image_grid_thw=grid).pooler_output
+    assert [f.shape[0] for f in outputs.pooler_output] == [6, 2]
+    torch.testing.assert_close(torch.cat(outputs.pooler_output), features_at_placeholders, rtol=0, atol=0)
+    assert len(outputs.hidden_states) == model.config.vision_config.num_hidden_layers + 1
+    assert isinstance(as_tuple, tuple)

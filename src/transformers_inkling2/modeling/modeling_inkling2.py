@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import GenerationMixin
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPooling, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
 from ..cache.dynamic import Inkling2Cache
@@ -45,9 +45,21 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
         self.vision_tower = Inkling2VisionModel(config.vision_config)
         self.post_init()
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor) -> torch.Tensor:
-        """[image tokens, text hidden]: one feature per placeholder token, images in order."""
-        return self.vision_tower(pixel_values=pixel_values, image_grid_thw=image_grid_thw, return_dict=True).pooler_output
+    @can_return_tuple
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor, output_hidden_states: bool | None = None
+    ) -> BaseModelOutputWithPooling:
+        """The ViT's outputs for these images, as transformers' vision-language models return them: `pooler_output`
+        holds each image's features (`[its image tokens, text hidden]`, one per placeholder token), `hidden_states`
+        the ViT's layers when asked; `return_dict=False` gives the tuple."""
+        outputs = self.vision_tower(
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        outputs.pooler_output = outputs.pooler_output.split(image_grid_thw.prod(-1).tolist())
+        return outputs
 
     def place_image_features(self, input_ids, inputs_embeds, image_features) -> torch.Tensor:
         """Writes the image features over the placeholder embeddings, checking that their counts agree."""
@@ -76,7 +88,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             return inputs_embeds, None
         if image_grid_thw is None:
             raise ValueError("`pixel_values` come with `image_grid_thw` (both are outputs of the image processor).")
-        image_features = self.get_image_features(pixel_values, image_grid_thw)
+        image_features = torch.cat(self.get_image_features(pixel_values, image_grid_thw).pooler_output)
         return self.place_image_features(input_ids, inputs_embeds, image_features), image_features
 
     @can_return_tuple
@@ -130,8 +142,8 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
         self.init_dspark(config)
         self.post_init()
 
-    def get_image_features(self, pixel_values, image_grid_thw):
-        return self.model.get_image_features(pixel_values, image_grid_thw)
+    def get_image_features(self, pixel_values, image_grid_thw, **kwargs) -> BaseModelOutputWithPooling:
+        return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
 
     def dspark_prompt_embeddings(self, input_ids, pixel_values=None, image_grid_thw=None, **model_kwargs):
         return self.model.prompt_embeddings(input_ids, pixel_values, image_grid_thw)[0]

@@ -69,8 +69,42 @@ def test_get_image_features_returns_the_vision_output_with_each_images_features(
     with torch.no_grad():
         outputs = model.get_image_features(pixel_values, grid, output_hidden_states=True)
         as_tuple = model.get_image_features(pixel_values, grid, return_dict=False)
-        features_at_placeholders = model.model.vision_tower(pixel_values=pixel_values, image_grid_thw=grid).pooler_output
+        vision = model.model.vision_tower(pixel_values=pixel_values, image_grid_thw=grid)
     assert [f.shape[0] for f in outputs.pooler_output] == [6, 2]
-    torch.testing.assert_close(torch.cat(outputs.pooler_output), features_at_placeholders, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(outputs.pooler_output), vision.pooler_output, rtol=0, atol=0)
     assert len(outputs.hidden_states) == model.config.vision_config.num_hidden_layers + 1
     assert isinstance(as_tuple, tuple)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_experts_implementation_runs_its_own_path_and_equals_the_reference(implementation, dtype, monkeypatch):
+    from transformers_inkling2.modeling.experts import Inkling2Experts
+
+    model = build_tiny_causal_lm().eval().to(dtype)
+    experts = model.model.layers[0].mlp.experts
+    called = []
+
+    def spy(path):
+        original = getattr(Inkling2Experts, path)
+
+        def recorded(self, *args):
+            called.append(path)
+            return original(self, *args)
+
+        return recorded
+
+    for path in ("grouped", "batched", "loop_over_experts"):
+        monkeypatch.setattr(Inkling2Experts, path, spy(path))
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(5, model.config.hidden_size, generator=generator).to(dtype)
+    ids = torch.randint(0, model.config.n_routed_experts, (5, model.config.num_experts_per_tok), generator=generator)
+    weights = torch.rand(5, model.config.num_experts_per_tok, generator=generator)
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        reference = experts(x, ids, weights).float()
+        model.set_experts_implementation(implementation)
+        output = experts(x, ids, weights).float()
+    assert called == ["loop_over_experts", {"grouped_mm": "grouped", "batched_mm": "batched"}[implementation]]
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(output, reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())

@@ -40,14 +40,16 @@ def softcapped_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_cap: float, up_
 
 
 def experts_implementation(config: Inkling2TextConfig) -> str:
-    """"eager" (the reference loop) or "grouped_mm". generate() switches "grouped_mm" to "batched_mm" for decoding
-    on GPUs; our grouped path serves both (it never copies expert weights per token)."""
+    """"eager" (the reference loop), "grouped_mm" (the default: one grouped GEMM per projection over the tokens
+    sorted by expert) or "batched_mm" (each route's expert weights gathered and multiplied in one batched GEMM: more
+    memory, fewer launches for a few tokens). Where the fused kernel applies (inference on CUDA) it serves both GEMM
+    names, so that generate(), which switches "grouped_mm" to "batched_mm" while decoding on GPUs, keeps it."""
     name = getattr(config, "_experts_implementation", None) or "grouped_mm"
     if name not in EXPERT_IMPLEMENTATIONS:
         raise ValueError(
             f"Inkling2 experts run with `experts_implementation` in {EXPERT_IMPLEMENTATIONS}, got {name!r}."
         )
-    return "eager" if name == "eager" else "grouped_mm"
+    return name
 
 
 class Inkling2ExpertsBase(nn.Module):
@@ -116,8 +118,8 @@ class Inkling2ExpertsBase(nn.Module):
         """Inference on CUDA with the default implementation: the kernel has no backward, so with gradients flowing
         (into the activations, the routing weights or trainable expert weights) the differentiable paths run."""
         needs_grad = differentiable(x, weights, *self.parameters())
-        default = experts_implementation(self.config) == "grouped_mm"
-        return x.is_cuda and not needs_grad and default and "routed_experts" in KERNELS
+        by_matmuls = experts_implementation(self.config) != "eager"
+        return x.is_cuda and not needs_grad and by_matmuls and "routed_experts" in KERNELS
 
 
 class Inkling2Experts(Inkling2ExpertsBase):
@@ -139,7 +141,25 @@ class Inkling2Experts(Inkling2ExpertsBase):
         # 8k-token prefills (docs/benchmarks.md)
         if self.gate_up_proj.dtype == torch.bfloat16 and self.uses_kernel(x, weights):
             return self.run_kernel(x, expert_ids, weights)
+        if experts_implementation(self.config) == "batched_mm":
+            return self.batched(x, expert_ids, weights)
         return self.grouped(x, expert_ids, weights)
+
+    def batched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) route gathers its expert's weights and both projections run as batched GEMMs over the
+        routes; no host sync. Routes to other ranks' experts compute on a stand-in expert and are zeroed."""
+        tokens, top_k = expert_ids.shape
+        ids = self.local_expert_ids(expert_ids).reshape(-1)
+        held = (ids >= 0) & (ids < self.num_experts)
+        ids = ids.clamp(0, self.num_experts - 1)
+        routes = x.repeat_interleave(top_k, dim=0)[:, :, None]
+        gate_up_proj, down_proj = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
+        gate, up = torch.bmm(gate_up_proj[ids], routes)[..., 0].chunk(2, dim=-1)
+        hidden = softcapped_swiglu(gate, up, self.gate_cap, self.up_cap).to(x.dtype)
+        per_route = torch.bmm(down_proj[ids], hidden[:, :, None])[..., 0].float()
+        per_route = per_route * (weights.reshape(-1) * held)[:, None]
+        # summed slot by slot in a fixed order: deterministic
+        return self.finish(per_route.view(tokens, top_k, -1).sum(1), x.dtype)
 
     def kernel_weights(self) -> dict:
         return dict(w13=local_tensor(self.gate_up_proj), w2=local_tensor(self.down_proj), fmt="bf16")

@@ -108,3 +108,30 @@ def test_each_experts_implementation_runs_its_own_path_and_equals_the_reference(
     assert called == ["loop_over_experts", {"grouped_mm": "grouped", "batched_mm": "batched"}[implementation]]
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(output, reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "inkling2_flex"])
+def test_output_attentions_gives_each_layers_probabilities_and_leaves_the_output_unchanged(attn_implementation):
+    from transformers_inkling2 import Inkling2Cache
+
+    model = build_tiny_causal_lm().eval()
+    model.set_attn_implementation(attn_implementation)
+    ids = torch.randint(0, 1000, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(input_ids=ids)
+        traced = model(input_ids=ids, output_attentions=True)
+        if attn_implementation == "eager":  # transformers allows the config switch with eager attention only
+            model.config.output_attentions = True
+        per_call = {} if attn_implementation == "eager" else {"output_attentions": True}
+        cache = Inkling2Cache(model.config)
+        model(input_ids=ids[:, :8], past_key_values=cache, **per_call)
+        step = model(input_ids=ids[:, 8:], past_key_values=cache, **per_call)
+    assert plain.attentions is None
+    torch.testing.assert_close(traced.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    assert len(traced.attentions) == model.config.num_hidden_layers
+    heads = model.config.swa_num_attention_heads
+    for probabilities in traced.attentions:
+        assert probabilities.shape == (2, heads, 11, 11)
+        assert (probabilities.triu(1) == 0).all()  # causal
+        assert (probabilities.sum(-1) <= 1 + 1e-5).all()  # the sink takes the rest
+    assert step.attentions[0].shape[-2] == 3 and step.attentions[0].shape[-1] >= 11

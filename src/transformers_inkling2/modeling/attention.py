@@ -62,9 +62,12 @@ def eager_attention(
     key_padding: torch.Tensor | None,
     sliding_window: int | None,
     scaling: float,
+    probabilities_out: list | None = None,
 ) -> torch.Tensor:
     """The reference: materializes the [queries, keys] scores. query [B, H, Q, D]; key/value [B, Hkv, K, D];
-    sinks [B, H, Q]. Scores and softmax in fp32; a query that sees no key puts all its mass on the sink."""
+    sinks [B, H, Q]. Scores and softmax in fp32; a query that sees no key puts all its mass on the sink. With
+    `probabilities_out` (a list), the attention probabilities [B, H, Q, K] (the sink's share left out) are appended
+    to it: what `output_attentions=True` returns."""
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
@@ -74,6 +77,8 @@ def eager_attention(
     scores = scores.masked_fill(~visible_keys(query_positions, key_positions, key_padding, sliding_window), -torch.inf)
     with_sink = torch.cat([scores, sinks.float().unsqueeze(-1)], dim=-1)
     probabilities = F.softmax(with_sink, dim=-1)[..., :-1].to(value.dtype)
+    if probabilities_out is not None:
+        probabilities_out.append(probabilities)
     return torch.matmul(probabilities, value).transpose(1, 2)
 
 

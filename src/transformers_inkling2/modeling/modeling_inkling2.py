@@ -119,6 +119,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=kwargs.get("output_hidden_states"),
+            output_attentions=kwargs.get("output_attentions"),
             prefill_chunk_size=kwargs.get("prefill_chunk_size"),
             cache_position=kwargs.get("cache_position"),
             return_dict=True,
@@ -127,6 +128,7 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             last_hidden_state=outputs.last_hidden_state,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             image_hidden_states=image_features,
         )
 
@@ -173,6 +175,7 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=kwargs.pop("output_hidden_states", None),
+            output_attentions=kwargs.pop("output_attentions", None),
             prefill_chunk_size=kwargs.pop("prefill_chunk_size", None),
             cache_position=kwargs.pop("cache_position", None),
             return_dict=True,
@@ -183,6 +186,7 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             image_hidden_states=outputs.image_hidden_states,
         )
 

@@ -10,6 +10,7 @@ of them.
 
 
 import copy
+import functools
 import math
 
 import torch
@@ -31,7 +32,7 @@ from ..cache.common import (
 from ..cache.dynamic import Inkling2Cache
 from ..cache.static import Inkling2StaticCache
 from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
-from .attention import get_attention_backend
+from .attention import eager_attention, get_attention_backend
 from .experts import Inkling2Experts, softcap
 from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
 from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
@@ -215,7 +216,10 @@ class Inkling2Attention(nn.Module):
         query_positions: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Inkling2Cache | None,
+        attentions: list | None = None,
     ) -> torch.Tensor:
+        """`attentions`, a list when the caller wants the attention probabilities (`output_attentions`): this call
+        then runs the eager reference, the one backend that materializes them, and appends them."""
         batch, length, _ = query_input.shape
         dtype = query_input.dtype
         token_mask = None if attention_mask is None else attention_mask[:, -length:]
@@ -244,7 +248,10 @@ class Inkling2Attention(nn.Module):
             keys, values, key_positions, key_padding, in_order = cache.attention_keys(
                 self.layer_idx, keys, values, query_positions, attention_mask
             )
-        attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
+        if attentions is None:
+            attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
+        else:
+            attention = functools.partial(eager_attention, probabilities_out=attentions)
         output = attention(
             queries,
             keys,
@@ -363,7 +370,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
             config.hidden_size, config.conv_kernel_size, layer_idx, POST_MLP_CONV
         )
 
-    def forward(self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None):
+    def forward(self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None, attentions=None):
         dtype = partial.dtype
         inputs = (partial,) if self.attention_input is None else self.attention_input(blocks, partial)
         if self.is_sliding:
@@ -373,7 +380,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
             norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
             query_input, key_input, value_input = (norm(x).to(dtype) for norm, x in zip(norms, inputs))
         attention_output = self.self_attn(
-            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache
+            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache, attentions
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
         attention_output = self.post_attention_convolution(attention_output, token_mask, cache, query_positions)
@@ -595,6 +602,8 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         else:
             attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
 
+        output_attentions = kwargs.get("output_attentions")
+        attentions = [] if (self.config.output_attentions if output_attentions is None else output_attentions) else None
         partial, blocks = inputs_embeds, []
         layer_outputs = [inputs_embeds]
         for layer in self.layers:
@@ -605,6 +614,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 query_positions=query_positions,
                 attention_mask=attention_mask,
                 cache=past_key_values,
+                attentions=attentions,
             )
             layer_outputs.append(partial)
         hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
@@ -615,14 +625,16 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
             hidden_states=(*layer_outputs[:-1], hidden_states) if output_hidden_states else None,
+            attentions=None if attentions is None else tuple(attentions),
         )
 
     def prefill_in_chunks(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, chunk_size, **kwargs):
         """Consecutive slices of the input through the model with one cache: everything in the model is causal, so
         the result equals one forward over the whole input (the cache is made here, and dropped after, when the
         caller has none)."""
-        if kwargs.get("output_hidden_states"):
-            raise ValueError("`output_hidden_states` is not available with `prefill_chunk_size`.")
+        for output in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(output):
+                raise ValueError(f"`{output}` is not available with `prefill_chunk_size`.")
         cache = Inkling2Cache(self.config) if cache is None else cache
         past_length = cache.get_seq_length()
         hidden_states = []
@@ -796,6 +808,7 @@ class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         prefill_chunk_size: int | None = None,
         cache_position: torch.LongTensor | None = None,
         **kwargs,
@@ -808,13 +821,18 @@ class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             prefill_chunk_size=prefill_chunk_size,
             cache_position=cache_position,
             return_dict=True,
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
 

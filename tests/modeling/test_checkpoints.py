@@ -233,3 +233,12 @@ def test_an_integer_tensor_for_a_float_weight_is_an_error_naming_both_dtypes(tmp
     expected = rf"{re.escape(name)} is stored as I32, but the model holds its weights as torch\.float32"
     with pytest.raises(ValueError, match=expected):
         Inkling2ForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("argument", ["dtype", "torch_dtype"])
+def test_dtype_auto_loads_in_the_saved_dtype(tmp_path, pair_and_ids, argument):
+    ours, _, _ = pair_and_ids
+    ours.save_pretrained(tmp_path)
+    loaded = Inkling2ForCausalLM.from_pretrained(tmp_path, **{argument: "auto"})
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == ours.model.layers[0].self_attn.q_proj.weight.dtype
+    assert Inkling2ForCausalLM.from_pretrained(tmp_path, **{argument: torch.bfloat16}).lm_head.weight.dtype == torch.bfloat16

@@ -401,6 +401,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
 # --- models -------------------------------------------------------------------------------------------------------
 
 
+DTYPE_KWARGS = ("dtype", "torch_dtype")  # `torch_dtype`: the older name, still accepted
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
@@ -487,11 +488,10 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         transformers' Auto classes do, the config takes the keyword arguments that are its fields, and the hub
         arguments and a requested dtype also go on to the weights."""
         hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
-        config_kwargs = {k: v for k, v in kwargs.items() if k not in hub and not (k == "dtype" and v == "auto")}
+        dtypes = {name: kwargs[name] for name in DTYPE_KWARGS if kwargs.get(name) is not None}
+        config_kwargs = {k: v for k, v in kwargs.items() if k not in hub and not (k in DTYPE_KWARGS and v == "auto")}
         config, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **hub, **config_kwargs)
-        if kwargs.get("dtype") is not None:
-            unused["dtype"] = kwargs["dtype"]
-        return config, {**unused, **hub}
+        return config, {**unused, **dtypes, **hub}
 
     def activation_checkpointing_enable(
         self, activation_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1, offload: bool = False

@@ -19,6 +19,13 @@ Two parsers read it:
   text all end up in the result (`invalid_tool_calls`, `truncated`), and `feed()` returns deltas as they become
   certain, so a server can stream reasoning, content and tool calls.
 
+Only real special tokens are markers. Ids are read through `decode_for_parsing` (tokenization_inkling2.py): special
+ids are spelled as markers, and text the model wrote with ordinary tokens gets U+FDD0 after every `<`, so an
+ordinary-token spelling of `<|end_message|>` stays text (and comes out as written). Text input is read as given:
+there every spelling is a marker, except the escaped form the chat template and `decode_for_parsing` write.
+
+A tool call is named by its JSON `name` (tml, vLLM and SGLang do the same), whatever its block header says.
+
 The message both return is `{"role": "assistant", "content": str, "thinking": str | None, "tool_calls": [{"type":
 "function", "function": {"name": str, "arguments": dict}}]}`, which the chat template renders back as the same
 blocks. Several blocks of one kind are concatenated.
@@ -41,8 +48,9 @@ from .chat_template import (
     INVOKE_TOOL_JSON,
     MESSAGE_MODEL,
     RESPONSE_TEMPLATE,
+    unescape_text,
 )
-from .tokenization_inkling2 import build_inkling2_tokenizer
+from .tokenization_inkling2 import build_inkling2_tokenizer, decode_for_parsing
 
 _SPECIAL = re.compile(r"<\|[a-z0-9_]+\|>")
 _SPECIAL_PREFIX = re.compile(r"<(?:\|[a-z0-9_]*\|?)?")  # what a special token looks like while half-received
@@ -70,7 +78,8 @@ def _held_back_from(text: str) -> int:
 
 
 def _read_tool_call(header_name: str, raw: str) -> tuple[dict | None, str | None]:
-    """The tool call in one invoke block's body, or why it is not one."""
+    """The tool call in one invoke block's body, or why it is not one. Its JSON `name` names it (as tml reads it); the
+    block header is only used when the JSON has no name."""
     try:
         payload = json.loads(raw)
     except ValueError as error:
@@ -80,8 +89,6 @@ def _read_tool_call(header_name: str, raw: str) -> tuple[dict | None, str | None
     name = payload.get("name", header_name)
     if not isinstance(name, str) or not name:
         return None, "the tool call has no name"
-    if header_name and name != header_name:
-        return None, f"the block names tool {header_name!r} but its JSON names {name!r}"
     arguments = payload.get("args", {})
     if not isinstance(arguments, dict):
         return None, "the tool call's args are not a JSON object"
@@ -108,6 +115,7 @@ class Inkling2ResponseParser:
         self.tool_calls: list[dict] = []
         self.invalid_tool_calls: list[dict] = []
         self.ended_turn = False  # saw `<|content_model_end_sampling|>`
+        self._saw_marker = False  # any special token so far: without one, the text is not in the block format
 
     @property
     def message(self) -> dict:
@@ -140,8 +148,9 @@ class Inkling2ResponseParser:
                 self._state = _HEADER
             elif self._state == _TOOL:
                 self._close_tool_call(deltas, truncated=True)
-            elif _TOOL_NAME.fullmatch(self._header.strip()):  # cut off between a tool's name and its kind token
-                self._tool_name, self._header = self._header.strip(), ""
+            elif self._saw_marker and _TOOL_NAME.fullmatch(unescape_text(self._header).strip()):
+                # cut off between a tool's name and its kind token; text without any block token is content
+                self._tool_name, self._header = unescape_text(self._header).strip(), ""
                 self._close_tool_call(deltas, truncated=True)
             self._release_stray_header(deltas)
             self._finished = True
@@ -166,6 +175,7 @@ class Inkling2ResponseParser:
                 break
             before, token = self._buffer[position : match.start()], match.group()
             position = match.end()
+            self._saw_marker = True
             if self._state == _HEADER:
                 self._header += before
                 self._header_token(deltas, token)
@@ -184,7 +194,7 @@ class Inkling2ResponseParser:
 
     def _header_token(self, deltas: list[ResponseDelta], token: str) -> None:
         if token == INVOKE_TOOL_JSON:
-            self._state, self._tool_name, self._tool_raw = _TOOL, self._header.strip(), ""
+            self._state, self._tool_name, self._tool_raw = _TOOL, unescape_text(self._header).strip(), ""
             self._header = ""
             return
         self._release_stray_header(deltas)
@@ -207,6 +217,7 @@ class Inkling2ResponseParser:
             self._state, self.ended_turn = _DONE, True
 
     def _emit_text(self, deltas: list[ResponseDelta], kind: str, text: str) -> None:
+        text = unescape_text(text)  # never half an escape: a final `<` is held back until the next character
         (self.thinking if kind == "thinking" else self.content).append(text)
         if deltas and deltas[-1].kind == kind:
             deltas[-1].text += text
@@ -220,6 +231,7 @@ class Inkling2ResponseParser:
             self._emit_text(deltas, "content", stray)
 
     def _close_tool_call(self, deltas: list[ResponseDelta], truncated: bool) -> None:
+        self._tool_raw = unescape_text(self._tool_raw)
         call, error = _read_tool_call(self._tool_name, self._tool_raw)
         if call is not None:
             self.tool_calls.append(call)
@@ -249,14 +261,14 @@ def _decode(output, tokenizer) -> str:
         if len(ids) != 1:
             raise ValueError("parse_response reads one sequence; parse each row of a batch on its own")
         ids = ids[0]
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    return decode_for_parsing(tokenizer, ids)
 
 
 def parse_response(output, tokenizer=None) -> dict:
     """The assistant message in one generated turn: `output` is text (special tokens spelled out) or the new token
-    ids (a list or 1-D tensor; decoded with `tokenizer`, default: our tokenizer). A leading `<|message_model|>` is
-    accepted too, so the generated ids with or without the prompt's last token both work; pad tokens after the end
-    of the turn are ignored."""
+    ids (a list or 1-D tensor; read with `decode_for_parsing` and `tokenizer`, default: our tokenizer, so only real
+    special-token ids are markers). A leading `<|message_model|>` is accepted too, so the generated ids with or
+    without the prompt's last token both work; pad tokens after the end of the turn are ignored."""
     parser = Inkling2ResponseParser()
     parser.feed(_decode(output, tokenizer))
     parser.finish()
@@ -268,11 +280,19 @@ class IncrementalTextStreamer(TextStreamer):
 
     `TextStreamer` holds text back until a space or newline, and Inkling's blocks often have neither; this one
     decodes the tokens received since the last release and releases them unless they end inside a UTF-8 character.
-    The text goes to `on_finalized_text`, as with `TextStreamer`. Batch size 1 only.
+    The text goes to `on_finalized_text`, as with `TextStreamer`. Batch size 1 only. With `for_parsing=True` the
+    tokens are decoded with `decode_for_parsing` (what `Inkling2ResponseParser` should be fed: only real special
+    tokens are markers; tokenizing that text gives the same ids).
     """
 
-    def __init__(self, tokenizer, skip_prompt: bool = True):
+    def __init__(self, tokenizer, skip_prompt: bool = True, for_parsing: bool = False):
         super().__init__(tokenizer, skip_prompt=skip_prompt, skip_special_tokens=False)
+        self.for_parsing = for_parsing
+
+    def _decode_cache(self) -> str:
+        if self.for_parsing:
+            return decode_for_parsing(self.tokenizer, self.token_cache)
+        return self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
 
     def put(self, value) -> None:
         if value.dim() > 1:
@@ -283,13 +303,13 @@ class IncrementalTextStreamer(TextStreamer):
             self.next_tokens_are_prompt = False
             return
         self.token_cache.extend(value.tolist())
-        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+        text = self._decode_cache()
         if not text.endswith("\ufffd"):  # else wait for the rest of the character
             self.token_cache = []
             self.on_finalized_text(text)
 
     def end(self) -> None:
-        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs) if self.token_cache else ""
+        text = self._decode_cache() if self.token_cache else ""
         self.token_cache = []
         self.next_tokens_are_prompt = True
         self.on_finalized_text(text, stream_end=True)
@@ -304,7 +324,7 @@ class Inkling2ResponseStreamer(IncrementalTextStreamer):
     """
 
     def __init__(self, tokenizer, skip_prompt: bool = True, on_delta=None, timeout: float | None = None):
-        super().__init__(tokenizer, skip_prompt=skip_prompt)
+        super().__init__(tokenizer, skip_prompt=skip_prompt, for_parsing=True)
         self.parser = Inkling2ResponseParser()
         self.on_delta = on_delta
         self.timeout = timeout

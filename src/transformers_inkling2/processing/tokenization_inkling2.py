@@ -9,6 +9,14 @@ mapping without prefix space, and (2) the BPE model lists, for every token, each
 tokens, ranked by the merged token's rank: this replays tiktoken's "merge the adjacent pair whose
 concatenation has the lowest rank". `ignore_merges=True` mirrors tiktoken's "a piece that is itself a token
 is kept whole" shortcut (a speed-up: every token is also reachable through the merges).
+
+Conversation text is never read as control tokens (`chat_template.TEXT_ESCAPE` says how): the chat
+template writes text it did not make itself with U+FDD0 after each `<` that starts `<|`, so the special tokens,
+matched on the raw string, are only the template's own; the normalizer (`<`U+FDD0 -> `<`, the only one) then hands
+the BPE exactly the original text. So `apply_chat_template` gives tml's ids, where user text is encoded like tml's
+`encode_ordinary`. The one string this changes for plain `encode` is `<` followed by U+FDD0 (a noncharacter), which
+encodes like `<`. `decode_for_parsing` is the way back for the reply parsers: only real special-token ids are
+spelled as markers; text the model wrote with ordinary tokens is escaped (and unescaped by the parsers).
 """
 
 from __future__ import annotations
@@ -19,12 +27,19 @@ import functools
 import importlib.resources
 import os
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from .chat_template import CHAT_TEMPLATE, RESPONSE_TEMPLATE
+from .chat_template import (
+    CHAT_TEMPLATE,
+    RESPONSE_TEMPLATE,
+    TEXT_ESCAPE,
+    mark_ordinary_text,
+    parse_tool_call_arguments,
+    unescape_text,
+)
 
 # tiktoken's o200k_base split pattern (a fact of the encoding; byte-for-byte the same alternatives).
 O200K_PATTERN = "|".join(
@@ -73,6 +88,11 @@ PAD_TOKEN = "<|endoftext|>"  # never rendered by the chat format, so padding can
 IMAGE_TOKEN = "<|unused_200054|>"  # one per image feature after `<|content_image|>`
 
 
+def text_escape_normalizer() -> normalizers.Normalizer:
+    """Undoes the chat template's escape (`<` + U+FDD0 -> `<`) after special tokens were matched on the raw text."""
+    return normalizers.Replace("<" + TEXT_ESCAPE, "<")
+
+
 def default_tiktoken_path() -> str:
     """The o200k_base ranks file that ships inside the `tml-renderers` wheel (so no network is needed)."""
     return str(importlib.resources.files("tml_renderers") / "data" / "o200k_base.tiktoken")
@@ -112,6 +132,7 @@ def _build_backend_cached(path: str) -> Tokenizer:
     vocab = {as_str[token]: rank for token, rank in ranks.items()}
 
     tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
+    tok.normalizer = text_escape_normalizer()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
@@ -164,6 +185,29 @@ class Inkling2Tokenizer(TokenizersBackend):
             # Built from the tiktoken ranks; the base class deep-copies it, so the cache stays clean.
             tokenizer_object = _build_backend_cached(default_tiktoken_path())
         super().__init__(tokenizer_file=tokenizer_file, tokenizer_object=tokenizer_object, **kwargs)
+        if self._tokenizer.normalizer is None:  # a tokenizer.json saved before the template escaped its text
+            self._tokenizer.normalizer = text_escape_normalizer()
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        """transformers' `apply_chat_template`, with tool calls' JSON-string `arguments` parsed first (as tml does),
+        so that they render like the same arguments given as a dict."""
+        return super().apply_chat_template(_with_parsed_arguments(conversation), *args, **kwargs)
+
+    def decode_for_parsing(self, ids) -> str:
+        """The text the reply parsers read: see the module-level `decode_for_parsing`."""
+        return decode_for_parsing(self, ids)
+
+    def parse_response(self, response, schema=None, *, prefix=None, tools=None):
+        """transformers' `parse_response` (the declarative `response_template`), where ids are decoded with
+        `decode_for_parsing`: only real special-token ids act as markers, and text the model wrote with ordinary
+        tokens (even if it spells `<|end_message|>`) stays text. Text input is read as it is."""
+        parsed = super().parse_response(
+            _text_for_parsing(self, response),
+            schema,
+            prefix=None if prefix is None else _text_for_parsing(self, prefix),
+            tools=tools,
+        )
+        return _unescape_all(parsed)
 
     @classmethod
     def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
@@ -177,6 +221,64 @@ class Inkling2Tokenizer(TokenizersBackend):
     def from_tiktoken(cls, path: str | os.PathLike | None = None, **kwargs) -> Inkling2Tokenizer:
         """Build from an o200k_base `.tiktoken` file (default: the copy inside `tml-renderers`), offline."""
         return cls(tokenizer_object=_build_backend_cached(os.fspath(path or default_tiktoken_path())), **kwargs)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+
+
+def decode_for_parsing(tokenizer, ids) -> str:
+    """Decode `ids` (a list or 1-D tensor) for the reply parsers: each special-token id as its spelling, the runs of
+    ordinary ids between them as their text with U+FDD0 after every `<` (`chat_template.mark_ordinary_text`), so a
+    marker the model spelled with ordinary tokens cannot be read as one. `unescape_text` gives `decode(ids)` back,
+    and the tokenizer encodes the result as it encodes that text. Works with any tokenizer of these ids."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    special = _special_ids(tokenizer)
+    pieces, run = [], []
+    for i in ids:
+        if i in special:
+            if run:
+                pieces.append(mark_ordinary_text(tokenizer.decode(run, skip_special_tokens=False)))
+                run = []
+            pieces.append(tokenizer.convert_ids_to_tokens(i))
+        else:
+            run.append(i)
+    if run:
+        pieces.append(mark_ordinary_text(tokenizer.decode(run, skip_special_tokens=False)))
+    return "".join(pieces)
+
+
+def _text_for_parsing(tokenizer, value):
+    """Ids (one sequence or a batch) -> `decode_for_parsing` text; text, lists of text and `[]` as they are."""
+    if isinstance(value, str) or (isinstance(value, (list, tuple)) and (not value or isinstance(value[0], str))):
+        return value
+    if hasattr(value, "keys") and "input_ids" in value:  # a BatchEncoding, as `apply_chat_template` returns
+        value = value["input_ids"]
+    rows = value.tolist() if hasattr(value, "tolist") else list(value)
+    if rows and isinstance(rows[0], (list, tuple)):
+        return [decode_for_parsing(tokenizer, row) for row in rows]
+    return decode_for_parsing(tokenizer, rows)
+
+
+def _unescape_all(value):
+    if isinstance(value, str):
+        return unescape_text(value)
+    if isinstance(value, dict):
+        return {_unescape_all(key): _unescape_all(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_unescape_all(item) for item in value]
+    return value
+
+
+def _with_parsed_arguments(conversation):
+    """`parse_tool_call_arguments` on one conversation (a list of message dicts) or on each of a batch."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        return conversation
+    if isinstance(conversation[0], (list, tuple)):
+        return [_with_parsed_arguments(chat) for chat in conversation]
+    if all(isinstance(message, dict) for message in conversation):
+        return parse_tool_call_arguments(conversation)
+    return conversation
 
 
 def build_inkling2_tokenizer(path: str | os.PathLike | None = None, **kwargs) -> Inkling2Tokenizer:
@@ -195,5 +297,7 @@ __all__ = [
     "Inkling2Tokenizer",
     "build_inkling2_backend",
     "build_inkling2_tokenizer",
+    "decode_for_parsing",
     "load_tiktoken_ranks",
+    "text_escape_normalizer",
 ]

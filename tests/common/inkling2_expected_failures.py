@@ -6,10 +6,6 @@ or that the suite skips on ours only (they count as failing: they must pass). Th
 BUILTIN_*: the reference's own failures, which ours shares unless said otherwise.
 """
 
-BATCHED_MM = (
-    "set_experts_implementation('batched_mm' / 'grouped_mm') is accepted, but our experts never dispatch through "
-    "transformers' ALL_EXPERTS_FUNCTIONS (AssertionError: Expected 'mock' to have been called)"
-)
 HALF_ON_CPU = (
     "RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::Half / BFloat16 (a float32 "
     "operand meets half-precision weights in the built-in's MoE on CPU)"
@@ -26,9 +22,6 @@ _OURS_SHARED = {
         "the suite skips it ('No usage of the capture_outputs decorator'): our models declare no "
         "_can_record_outputs; the built-in records hidden states, attentions and router logits with them"
     ),
-    "test_eager_matches_batched_and_grouped_inference_0_fp16": f"{BATCHED_MM}; the built-in fails too: {HALF_ON_CPU}",
-    "test_eager_matches_batched_and_grouped_inference_1_fp32": BATCHED_MM,
-    "test_eager_matches_batched_and_grouped_inference_2_bf16": f"{BATCHED_MM}; the built-in fails too: {HALF_ON_CPU}",
     "test_moe_models_record_router_logits": (
         "the suite skips it ('This model has no sparse experts'): our modeling module has no "
         "@use_experts_implementation experts (the built-in's Inkling2Experts is one)"
@@ -43,10 +36,6 @@ OURS_TEXT_MODEL = {
     **_OURS_SHARED,
     "test_can_init_all_missing_weights": ALL_MISSING.format(cls="Inkling2TextModel"),
     "test_model_weights_reload_no_missing_tied_weights": ALL_MISSING.format(cls="Inkling2TextModel"),
-    "test_moe_parallel_plans_shard_experts": (
-        "the suite skips it ('Not an MoE model'): our experts modules have no `has_gate`, so it finds no expert "
-        "weights to check the TP / EP plans against"
-    ),
     "test_reverse_loading_mapping": (
         "our `mlp\\.experts\\.w13_weight_scale` -> `gate_up_proj_scale` conversion pattern matches no key of an "
         "unquantized model (the built-in fails alike on its `..._scale_inv` one)"

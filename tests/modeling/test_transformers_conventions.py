@@ -1,6 +1,8 @@
 """transformers' calling conventions on our models: checkpointing as Trainer 5.23 asks for it, tuples on request,
 and the config's output switches."""
 
+from unittest.mock import Mock, patch
+
 import pytest
 import torch
 
@@ -78,36 +80,34 @@ def test_get_image_features_returns_the_vision_output_with_each_images_features(
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_experts_implementation_runs_its_own_path_and_equals_the_reference(implementation, dtype, monkeypatch):
-    from transformers_inkling2.modeling.experts import Inkling2Experts
+def test_each_experts_implementation_runs_transformers_function_and_equals_the_reference(implementation, dtype):
+    """`set_experts_implementation` reaches transformers' own experts functions (through its registry, as its common
+    test checks), which run our softcapped gate and equal the reference loop."""
+    from transformers.integrations import moe
 
     model = build_tiny_causal_lm().eval().to(dtype)
     experts = model.model.layers[0].mlp.experts
-    called = []
-
-    def spy(path):
-        original = getattr(Inkling2Experts, path)
-
-        def recorded(self, *args):
-            called.append(path)
-            return original(self, *args)
-
-        return recorded
-
-    for path in ("grouped", "batched", "loop_over_experts"):
-        monkeypatch.setattr(Inkling2Experts, path, spy(path))
+    mocks = {name: Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("grouped_mm", "batched_mm")}
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(5, model.config.hidden_size, generator=generator).to(dtype)
     ids = torch.randint(0, model.config.n_routed_experts, (5, model.config.num_experts_per_tok), generator=generator)
     weights = torch.rand(5, model.config.num_experts_per_tok, generator=generator)
-    with torch.no_grad():
+    with torch.no_grad(), patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, mocks):
         model.set_experts_implementation("eager")
         reference = experts(x, ids, weights).float()
+        assert not any(mock.called for mock in mocks.values())
         model.set_experts_implementation(implementation)
         output = experts(x, ids, weights).float()
-    assert called == ["loop_over_experts", {"grouped_mm": "grouped", "batched_mm": "batched"}[implementation]]
+    assert [name for name, mock in mocks.items() if mock.called] == [implementation]
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(output, reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
+
+
+def test_experts_refuse_transformers_fused_implementations_that_ignore_the_softcaps():
+    model = build_tiny_causal_lm().eval()
+    model.config._experts_implementation = "sonicmoe"
+    with pytest.raises(ValueError, match="experts_implementation"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "inkling2_flex"])

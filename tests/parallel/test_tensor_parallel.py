@@ -160,7 +160,7 @@ def test_unsplit_model_is_unchanged():
     """Without torchrun the experts hold every expert and return the activations' dtype."""
     model = randomize_(Inkling2ForCausalLM(tiny_text_config(**TEXT)), seed=3).eval()
     experts = model.model.layers[0].mlp.experts
-    assert (experts.num_experts, experts.first_expert, experts.expert_parallel) == (8, 0, False)
+    assert (experts.num_experts, experts.first_expert, experts._is_expert_parallel) == (8, 0, False)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     ids = torch.randint(0, 8, (5, 2))
     assert experts.to(torch.bfloat16)(x, ids, torch.rand(5, 2)).dtype == torch.bfloat16

@@ -1,6 +1,7 @@
 """Checkpoints with NVFP4 / MXFP8 routed experts: detection, loading, saving, the quantize tool and their errors."""
 
 import json
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -214,15 +215,22 @@ def test_grouped_bf16_experts_equal_the_reference_loop():
 
 
 def test_grouped_experts_split_long_inputs_into_chunks_with_the_same_result(monkeypatch):
+    from transformers.integrations import moe
+
     from transformers_inkling2.modeling import experts as experts_module
 
-    experts = randomize_(Inkling2Experts(Inkling2TextConfig(**CONFIG)), seed=4)
+    config = Inkling2TextConfig(**CONFIG)
+    config._experts_implementation = "grouped_mm"
+    experts = randomize_(Inkling2Experts(config), seed=4)
     generator = torch.Generator().manual_seed(4)
     x, expert_ids = torch.randn(50, 64, generator=generator), torch.randint(0, 8, (50, 2), generator=generator)
     weights = torch.rand(50, 2, generator=generator)
-    whole = experts.grouped(x, expert_ids, weights)
+    whole = experts(x, expert_ids, weights)
     monkeypatch.setattr(experts_module, "MAX_GROUPED_ELEMENTS", 2 * 2 * 64 * 7)  # chunks of 7 tokens
-    assert torch.allclose(experts.grouped(x, expert_ids, weights), whole, atol=1e-6, rtol=1e-5)
+    grouped = Mock(wraps=moe.grouped_mm_experts_forward)
+    monkeypatch.setitem(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", grouped)
+    assert torch.allclose(experts(x, expert_ids, weights), whole, atol=1e-6, rtol=1e-5)
+    assert grouped.call_count == 8
 
 
 def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
@@ -320,7 +328,7 @@ def test_quantized_experts_on_gpu_run_the_hub_kernel_and_match_the_reference(tmp
 @pytest.mark.gpu
 def test_bf16_experts_run_the_hub_kernel_for_inference_on_gpu(monkeypatch):
     """BF16 experts on CUDA without gradients take the fused kernel (not the grouped GEMMs) and agree with the
-    reference loop; with gradients flowing they keep the differentiable grouped path."""
+    reference loop; with gradients flowing they run transformers' grouped GEMMs."""
     config = Inkling2TextConfig(**{**CONFIG, "hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16})
     experts = randomize_(Inkling2Experts(config), seed=7).to("cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(7)
@@ -330,11 +338,13 @@ def test_bf16_experts_run_the_hub_kernel_for_inference_on_gpu(monkeypatch):
     config._experts_implementation = "eager"
     reference = experts(x.float(), expert_ids, weights).float()
     config._experts_implementation = "grouped_mm"
-    grouped_calls = []
-    monkeypatch.setattr(Inkling2Experts, "grouped", lambda self, *args: grouped_calls.append(1) or reference)
+    from transformers.integrations import moe
+
+    grouped = Mock(wraps=moe.grouped_mm_experts_forward)
+    monkeypatch.setitem(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", grouped)
     with torch.no_grad():
         kernel = experts(x, expert_ids, weights).float()
-    assert not grouped_calls
+    assert not grouped.called
     assert ((kernel - reference).norm() / reference.norm()).item() <= 1e-2
     experts(x.requires_grad_(), expert_ids, weights)
-    assert grouped_calls == [1]
+    assert grouped.call_count == 1

@@ -203,7 +203,7 @@ class HeadRowsProjection(ParallelStyle):
 def split_experts(experts: nn.Module, mesh, first_expert_is_global: bool) -> None:
     """Splits every tensor of an experts module (parameters and packed buffers) on its first dim, the experts:
     rank r holds `[r * n, (r + 1) * n)`, `n = n_routed_experts / size`. The module then skips the routes of other
-    ranks' experts and returns fp32 partial outputs (see `experts.Inkling2ExpertsBase`). With
+    ranks' experts (see `experts.Inkling2ExpertsBase`; `_is_expert_parallel`, as transformers' own styles set it). With
     `first_expert_is_global` it takes global expert ids; otherwise ids already local to the block (what
     transformers' expert-parallel dispatch passes)."""
     size, rank = mesh.size(), mesh.get_local_rank()
@@ -218,7 +218,7 @@ def split_experts(experts: nn.Module, mesh, first_expert_is_global: bool) -> Non
             experts._buffers[name] = _shard_placeholder(tensor, mesh, 0)
     experts.num_experts = experts.config.n_routed_experts // size
     experts.first_expert = rank * experts.num_experts if first_expert_is_global else 0
-    experts.expert_parallel = True
+    experts._is_expert_parallel = True
 
 
 class ExpertBlocks(ParallelStyle):

@@ -13,10 +13,13 @@ import json
 import random
 
 import jinja2
+import numpy as np
 import pytest
 from PIL import Image
 
 from transformers_inkling2.processing.chat_template import CHAT_TEMPLATE, EFFORT_LEVELS
+from transformers_inkling2.processing.image_processing_inkling2 import Inkling2ImageProcessor
+from transformers_inkling2.processing.processing_inkling2 import Inkling2Processor
 from transformers_inkling2.processing.tokenization_inkling2 import Inkling2Tokenizer, build_inkling2_tokenizer
 
 tml = pytest.importorskip("tml_renderers")
@@ -859,3 +862,72 @@ def test_tokenizer_ships_the_template_through_save_and_load(tok, tmp_path):
     assert loaded.response_template == tok.response_template
     messages = [{"role": "user", "content": "Hi"}]
     assert loaded.apply_chat_template(messages, effort="low") == tok.apply_chat_template(messages, effort="low")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image tokens: our image processor counts what tml counts (issue #26). tml's rule: `ceil(H / 40)` rows by
+# `W // 40 + 1` columns, no resizing at any size (docs/images.md)
+
+AWKWARD_SIZES = [  # (width, height)
+    *[(side, side) for side in (1, 20, 39, 40, 41, 79, 80, 81, 119, 120, 121)],
+    (40, 1), (1, 40), (39, 40), (40, 39), (80, 40), (40, 80), (40, 120), (120, 40),
+    (1280, 720), (1920, 1080), (1000, 700), (640, 480), (64, 48), (720, 1280),
+    (7, 3000), (3000, 7), (1, 4000), (4000, 1),  # tall, wide
+    (4000, 3000), (10000, 10000), (32768, 32768),  # large: tml never resizes, nor do we without max_pixels
+]
+
+
+def random_sizes(count=300, seed=26):
+    rng = random.Random(seed)
+    sizes = [(rng.randint(1, 2000), rng.randint(1, 2000)) for _ in range(count)]
+    return sizes + [(40 * rng.randint(1, 50), rng.randint(1, 2000)) for _ in range(count // 3)]  # exact multiples
+
+
+IMAGE_SPAN = tml_chat.ImageAssetPointerTokenSpan
+
+
+def tml_image_tokens(renderer, width, height):
+    pointer = tml_chat.ImagePointer(location="image.png", format=tml_chat.ImageFormat.Png, width=width, height=height)
+    message = tml_chat.Message(content=pointer, author=tml_chat.Author(tml_chat.AuthorKind.User))
+    (span,) = [s.span for s in renderer.render_for_completion([message])[0] if isinstance(s.span, IMAGE_SPAN)]
+    assert (span.virtual_width, span.virtual_height) == (None, None)  # rendered at its own size
+    return span.num_tokens
+
+
+@pytest.fixture(scope="module")
+def image_processor():
+    return Inkling2ImageProcessor()
+
+
+def test_image_token_counts_match_tml(renderer, image_processor):
+    sizes = AWKWARD_SIZES + random_sizes()
+    ours_counts = [image_processor.get_number_of_image_patches(height, width) for width, height in sizes]
+    assert ours_counts == [tml_image_tokens(renderer, width, height) for width, height in sizes]
+    assert sum(width % 40 == 0 for width, _ in sizes) > 100  # the widths where the rule matters
+
+
+@pytest.mark.parametrize("width, height", [(1, 1), (40, 40), (41, 79), (80, 80), (1280, 720), (1000, 700), (3, 399)])
+def test_processed_images_have_tml_token_counts(renderer, image_processor, width, height):
+    out = image_processor(np.zeros((height, width, 3), dtype=np.uint8), return_tensors="pt")
+    assert out["pixel_values"].shape[0] == int(out["image_grid_thw"].prod()) == tml_image_tokens(renderer, width, height)
+
+
+def test_conversation_with_images_through_the_processor_equals_tml(tok, renderer, image_processor):
+    """The whole path, as users run it: `Inkling2Processor.apply_chat_template` loads the images, counts their tokens
+    and expands the placeholders; tml reads the same images' sizes from the data URIs."""
+    processor = Inkling2Processor(image_processor=image_processor, tokenizer=tok)
+    uris = [image_uri(w, h) for w, h in ((1280, 720), (40, 40), (1, 1), (81, 80), (39, 200), (120, 41))]
+    image = [{"type": "image_url", "image_url": {"url": uri}} for uri in uris]
+    messages = [
+        {"role": "system", "content": "Describe every image."},
+        {"role": "user", "content": [{"type": "text", "text": "A frame and a square:"}, image[0], image[1]]},
+        {"role": "assistant", "content": "A red frame, then a red square."},
+        {"role": "user", "content": [image[2], {"type": "text", "text": "and"}, image[3], image[4]]},
+        {"role": "assistant", "content": "Three more."},
+        {"role": "user", "content": [image[5], {"type": "text", "text": "Last one?"}]},
+    ]
+    expected, image_sizes = tml_render(renderer, messages, effort=0.9)
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, effort=0.9, return_tensors="pt")
+    assert out["input_ids"][0].tolist() == expected
+    assert out["image_grid_thw"].prod(-1).tolist() == image_sizes == [594, 2, 1, 6, 5, 8]
+    assert out["pixel_values"].shape[0] == sum(image_sizes)

@@ -1,5 +1,7 @@
 """`Inkling2ImageProcessorPil`: its output format checked by hand from the format's rules, and against transformers'
-built-in `Inkling2ImageProcessor` where that one can run.
+built-in `Inkling2ImageProcessor` where that one can run. The built-in counts `ceil(W / 40)` columns, one fewer than
+tml-renderers (and ours) for widths that are multiples of 40: there it is compared without our extra column.
+Image-token counts against tml-renderers itself: tests/processing/test_chat_template.py.
 
 The built-in processor needs torchvision, which cannot be installed beside the CPU torch used here: the comparison
 tests are skipped without it (`pytest.importorskip("torchvision")`), and the hand-computed tests below check the
@@ -67,24 +69,37 @@ def test_tiny_image_padding_and_normalization(processor):
 
 
 def test_blocks_are_tokens_in_raster_order_channels_last(processor):
-    """Pixel (y, x) encodes its token in channel 0 and its place inside the token in channels 1 and 2."""
+    """Pixel (y, x) encodes its cell in channel 0 and its place inside the cell in channels 1 and 2. The image is
+    exactly 2 x 3 cells, so the grid has a fourth column, all padding (tml's rule)."""
     rows, cols = 2, 3
     y, x = np.mgrid[: rows * CELL, : cols * CELL]
     image = np.stack([(y // CELL) * cols + x // CELL, y % CELL, x % CELL], axis=-1).astype(np.uint8)
     out = processor(image, return_tensors="pt")
-    assert out["image_grid_thw"].tolist() == [[1, rows, cols]]
+    assert out["image_grid_thw"].tolist() == [[1, rows, cols + 1]]
     values = np.rint(out["pixel_values"].numpy() * 127.5 + 127.5)
-    for token in range(rows * cols):
-        assert np.all(values[token, :, :, 0] == token)
-        assert np.all(values[token, :, :, 1] == np.arange(CELL)[:, None])
-        assert np.all(values[token, :, :, 2] == np.arange(CELL)[None, :])
+    for row in range(rows):
+        for col in range(cols):
+            token = row * (cols + 1) + col
+            assert np.all(values[token, :, :, 0] == row * cols + col)
+            assert np.all(values[token, :, :, 1] == np.arange(CELL)[:, None])
+            assert np.all(values[token, :, :, 2] == np.arange(CELL)[None, :])
+        assert np.all(out["pixel_values"][row * (cols + 1) + cols].numpy() == np.float32(PADDING))
 
 
 @pytest.mark.parametrize(
     "height, width, grid",
-    [(1, 1, [1, 1, 1]), (40, 40, [1, 1, 1]), (41, 81, [1, 2, 3]), (7, 1000, [1, 1, 25]), (123, 37, [1, 4, 1])],
+    [
+        (1, 1, [1, 1, 1]),
+        (40, 40, [1, 1, 2]),  # a width that is a multiple of 40: one extra column, all padding
+        (40, 39, [1, 1, 1]),
+        (80, 41, [1, 2, 2]),  # heights get no extra row
+        (41, 81, [1, 2, 3]),
+        (7, 1000, [1, 1, 26]),
+        (123, 37, [1, 4, 1]),
+    ],
 )
 def test_grid_and_padding_of_odd_sizes(processor, height, width, grid):
+    """`ceil(H / 40)` rows, `W // 40 + 1` columns (tml-renderers' count), the image top left, padding elsewhere."""
     image = random_rgb(height, width)
     out = processor(PIL.Image.fromarray(image), return_tensors="pt")
     assert out["image_grid_thw"].tolist() == [grid]
@@ -96,8 +111,8 @@ def test_grid_and_padding_of_odd_sizes(processor, height, width, grid):
 def test_several_images_are_concatenated_in_order(processor):
     images = [random_rgb(50, 90, seed=1), random_rgb(10, 10, seed=2), random_rgb(81, 40, seed=3)]
     out = processor(images, return_tensors="pt")
-    assert out["image_grid_thw"].tolist() == [[1, 2, 3], [1, 1, 1], [1, 3, 1]]
-    assert out["pixel_values"].shape[0] == 6 + 1 + 3
+    assert out["image_grid_thw"].tolist() == [[1, 2, 3], [1, 1, 1], [1, 3, 2]]
+    assert out["pixel_values"].shape[0] == 6 + 1 + 6
     for image, start, (_, rows, cols) in zip(images, [0, 6, 7], out["image_grid_thw"].tolist(), strict=True):
         canvas = unpatchify(out["pixel_values"][start : start + rows * cols], rows, cols)
         np.testing.assert_array_equal(canvas[: image.shape[0], : image.shape[1]], normalized(image))
@@ -316,7 +331,25 @@ def builtin_cases():
         "numpy hwc": rng.integers(0, 256, (45, 12, 3), dtype=np.uint8),
         "numpy rgba": rng.integers(0, 256, (17, 90, 4), dtype=np.uint8),
         "tensor chw": torch.randint(0, 256, (3, 81, 50), dtype=torch.uint8),
+        "width 80": random_pil(30, 80),
     }
+
+
+def with_builtin_columns(ours, builtin):
+    """Our `pixel_values` and `image_grid_thw` without the extra column where the built-in counts one column fewer
+    (widths that are multiples of 40: it rounds up, tml adds a column; docs/images.md); that column must be padding."""
+    blocks, grids, start = [], [], 0
+    for (_, rows, cols), (_, _, builtin_cols) in zip(
+        ours["image_grid_thw"].tolist(), builtin["image_grid_thw"].tolist(), strict=True
+    ):
+        image = ours["pixel_values"][start : start + rows * cols].reshape(rows, cols, CELL, CELL, 3)
+        start += rows * cols
+        if cols == builtin_cols + 1:
+            assert torch.all(image[:, -1] == np.float32(PADDING))
+            image = image[:, :-1]
+        blocks.append(image.reshape(-1, CELL, CELL, 3))
+        grids.append([1, rows, image.shape[1]])
+    return torch.cat(blocks), torch.tensor(grids)
 
 
 @pytest.fixture(scope="module")
@@ -332,13 +365,18 @@ def test_matches_builtin_processor(processor, builtin_processor, name):
     image = builtin_cases()[name]
     ours = processor(image, return_tensors="pt")
     expected = builtin_processor(image, return_tensors="pt")
-    assert torch.equal(ours["image_grid_thw"], expected["image_grid_thw"])
-    assert ours["pixel_values"].dtype == expected["pixel_values"].dtype
-    assert torch.equal(ours["pixel_values"], expected["pixel_values"])
+    pixel_values, image_grid_thw = with_builtin_columns(ours, expected)
+    assert torch.equal(image_grid_thw, expected["image_grid_thw"])
+    assert pixel_values.dtype == expected["pixel_values"].dtype
+    assert torch.equal(pixel_values, expected["pixel_values"])
 
 
 def test_matches_builtin_processor_on_a_batch(processor, builtin_processor):
     images = list(builtin_cases().values())
     ours, expected = processor(images, return_tensors="pt"), builtin_processor(images, return_tensors="pt")
-    assert torch.equal(ours["image_grid_thw"], expected["image_grid_thw"])
-    assert torch.equal(ours["pixel_values"], expected["pixel_values"])
+    pixel_values, image_grid_thw = with_builtin_columns(ours, expected)
+    assert torch.equal(image_grid_thw, expected["image_grid_thw"])
+    assert torch.equal(pixel_values, expected["pixel_values"])
+    # the two differ exactly on the widths that are multiples of 40 ("16-bit" is 40 wide, "width 80")
+    differ = (ours["image_grid_thw"] != expected["image_grid_thw"]).any(-1)
+    assert [name for name, d in zip(builtin_cases(), differ.tolist(), strict=True) if d] == ["16-bit", "width 80"]

@@ -63,6 +63,19 @@ def test_pipeline_reply_equals_generate_on_the_processed_chat(pipe, saved):
     assert text == pipe.processor.decode(generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def test_the_extra_column_reaches_the_model(pipe):
+    """An image whose width is a multiple of 40 gets tml's extra column of padding (docs/images.md): the
+    placeholders, the ViT's features and the patch grid its positions are resampled to all include it."""
+    image = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 255, (40, 80, 3), dtype=np.uint8))
+    inputs = pipe.processor.apply_chat_template(
+        user_turn("What is it?", {"image": image}), tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    assert inputs["image_grid_thw"].tolist() == [[1, 1, 3]]
+    features = pipe.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    assert [len(f) for f in features] == [3] == [int((inputs["input_ids"] == 200054).sum())]
+    assert pipe.model(**inputs).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("source", ["url", "path", "pil"])
 def test_images_from_a_url_a_path_and_pil_give_the_same_reply(pipe, saved, image_url, source):
     image = {

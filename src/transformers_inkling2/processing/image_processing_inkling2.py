@@ -5,14 +5,18 @@ What the ViT expects, and what this produces for each image:
 1. RGB. Transparent images are composited onto a grey checkerboard (8-pixel squares of 204 and 153), as in the
    reference processor; grayscale, palette, CMYK, 16-bit, ... go through Pillow's RGB conversion.
 2. Optionally, a downscale that keeps the aspect ratio so the image fits a pixel budget (`max_pixels`).
-3. Padding on the bottom and right to a multiple of 40 pixels (patch 20 x merge 2) with the value -1 on the
-   0-255 scale, just outside the range of real pixels.
+3. Padding to the token grid (40 pixels a token: patch 20 x merge 2) with the value -1 on the 0-255 scale, just
+   below black: the bottom up to a multiple of 40, the right always by at least one pixel. The grid is
+   `ceil(H / 40)` rows by `W // 40 + 1` columns, as Thinking Machines' renderer (tml-renderers) counts image
+   tokens: a width that is a multiple of 40 gets one whole extra column of padding (docs/images.md).
 4. Rescale to [0, 1] and normalise with mean 0.5, std 0.5.
 5. One `40 x 40 x 3` block per text image token, tokens in raster order: `pixel_values` of shape
    `[image tokens, 40, 40, 3]` for all images together, and `image_grid_thw` = `[1, token rows, token cols]`
    per image.
 
-The built-in `transformers` `Inkling2ImageProcessor` does the same on torchvision; ours needs only Pillow and NumPy.
+The built-in `transformers` `Inkling2ImageProcessor` does the same on torchvision, except for the extra column (it
+counts `ceil(W / 40)` columns, one fewer than tml for widths that are multiples of 40); ours needs only Pillow and
+NumPy.
 It carries the same class name, which checkpoints write as `image_processor_type`: importing this package registers
 it for both of transformers' backends, so that the name resolves to it (`Inkling2ImageProcessorPil` is an alias).
 """
@@ -38,7 +42,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-PAD_VALUE = -1.0  # on the 0-255 scale, before rescaling and normalisation
+# The format's "black" padding, on the 0-255 scale before rescaling and normalisation: (-1/255 - 0.5) / 0.5 =
+# -1.0078, just below black (-1.0), as the format's reference implementations pad (docs/images.md)
+PAD_VALUE = -1.0
 CHECKER_SQUARE = 8
 CHECKER_LIGHT, CHECKER_DARK = 204, 153
 URL_TIMEOUT_S = 30
@@ -159,8 +165,10 @@ def check_pixel_range(array: np.ndarray) -> None:
 
 
 def grid_size(height: int, width: int, cell_height: int, cell_width: int) -> tuple[int, int]:
-    """Token rows and columns of an image: its size rounded up to whole cells."""
-    return math.ceil(height / cell_height), math.ceil(width / cell_width)
+    """Token rows and columns of an image: the height rounded up to whole cells; the width plus at least one pixel
+    of padding, in whole cells (`width // cell_width + 1`), which is how tml-renderers counts the official format's
+    tokens (an exact multiple of the cell width gets one extra column, all padding)."""
+    return math.ceil(height / cell_height), width // cell_width + 1
 
 
 def fit_to_pixel_budget(height: int, width: int, max_pixels: int, cell_height: int, cell_width: int) -> tuple[int, int]:

@@ -4,6 +4,7 @@ The references are independent implementations (tml's Rust tokenizer, tiktoken's
 comparison here can fail if our pre-tokenizer regex, byte-level mapping, merges or special-token table drift.
 """
 
+import inspect
 import json
 import re
 
@@ -234,6 +235,20 @@ def test_other_constructors_agree(tok):
     expected = tok.encode(text)
     assert Inkling2Tokenizer().encode(text) == expected
     assert build_inkling2_tokenizer(default_tiktoken_path()).encode(text) == expected
+
+
+def test_init_kwargs_record_every_named_parameter(tok, tmp_path):
+    """transformers saves `init_kwargs`: every named `__init__` parameter with a default is recorded there (its
+    common suite checks this). The backend comes through `**kwargs` as `tokenizer_object` and is not recorded."""
+    named = [
+        name
+        for name, parameter in inspect.signature(Inkling2Tokenizer.__init__).parameters.items()
+        if parameter.default is not inspect.Parameter.empty and name != "tokenizer_file"
+    ]
+    assert all(name in tok.init_kwargs for name in named)
+    assert "tokenizer_object" not in tok.init_kwargs
+    tok.save_pretrained(tmp_path)
+    assert "tokenizer_object" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
 
 
 def test_rejects_a_file_that_is_not_o200k(tmp_path):

@@ -165,11 +165,15 @@ class Inkling2Tokenizer(TokenizersBackend):
     (so padding is never mistaken for a stop) and that the chat format never emits; no bos is added because
     rendered chats start directly with a message token; padding is on the left, as decoding appends on the
     right; `model_max_length` is the model's 1M-token context.
+
+    A ready backend (`tokenizers.Tokenizer`) comes as the keyword `tokenizer_object`, through `**kwargs` as in
+    `TokenizersBackend`: transformers records every named `__init__` parameter in `init_kwargs`, which are saved to
+    `tokenizer_config.json`, and the backend belongs in `tokenizer.json`.
     """
 
     model_input_names = ["input_ids", "attention_mask"]
 
-    def __init__(self, tokenizer_file: str | None = None, tokenizer_object: Tokenizer | None = None, **kwargs):
+    def __init__(self, tokenizer_file: str | None = None, **kwargs):
         kwargs.setdefault("eos_token", EOS_TOKEN)
         kwargs.setdefault("pad_token", PAD_TOKEN)
         kwargs.setdefault("bos_token", None)
@@ -181,10 +185,10 @@ class Inkling2Tokenizer(TokenizersBackend):
         kwargs.setdefault("clean_up_tokenization_spaces", False)
         kwargs.setdefault("chat_template", CHAT_TEMPLATE)  # the Inkling chat format (chat_template.py)
         kwargs.setdefault("response_template", copy.deepcopy(RESPONSE_TEMPLATE))  # parse_response, pipelines
-        if tokenizer_file is None and tokenizer_object is None:
+        if tokenizer_file is None and kwargs.get("tokenizer_object") is None:
             # Built from the tiktoken ranks; the base class deep-copies it, so the cache stays clean.
-            tokenizer_object = _build_backend_cached(default_tiktoken_path())
-        super().__init__(tokenizer_file=tokenizer_file, tokenizer_object=tokenizer_object, **kwargs)
+            kwargs["tokenizer_object"] = _build_backend_cached(default_tiktoken_path())
+        super().__init__(tokenizer_file=tokenizer_file, **kwargs)
         if self._tokenizer.normalizer is None:  # a tokenizer.json saved before the template escaped its text
             self._tokenizer.normalizer = text_escape_normalizer()
 

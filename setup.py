@@ -34,6 +34,8 @@ setup(
     # its sources and builder (which the sdist needs to build a wheel), and the build that build_py adds
     package_dir={"": "src", "transformers_inkling2.hub_kernels": "hub_kernels"},
     packages=[*find_packages("src"), "transformers_inkling2.hub_kernels"],
+    # the `inkling2` command's argument parsing, outside the package so that `--help` loads no torch
+    py_modules=["transformers_inkling2_cli"],
     package_data={
         "transformers_inkling2.hub_kernels": [
             "inkling2_moe/build.toml",
@@ -58,5 +60,5 @@ setup(
         # names the tests compare against (5.24 renamed its attention parameters)
         "test": ["transformers==5.23.0", "pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1", "peft>=0.21"],
     },
-    entry_points={"console_scripts": ["inkling2=transformers_inkling2.cli:main"]},
+    entry_points={"console_scripts": ["inkling2=transformers_inkling2_cli:main"]},
 )

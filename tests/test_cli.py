@@ -5,7 +5,10 @@ import sys
 
 import pytest
 
-from transformers_inkling2.cli import main
+from transformers_inkling2_cli import SUBCOMMANDS, main
+
+# `--help` and argument errors are answered before any of these is imported (they take seconds)
+HEAVY_MODULES = ("torch", "transformers", "triton", "transformers_inkling2")
 
 
 def test_main_job_generates_with_the_embedded_tiny_model(capsys):
@@ -64,3 +67,33 @@ def test_module_entry_point_runs():
         check=True,
     )
     assert "tokens/s" in result.stdout
+
+
+def parse_in_fresh_interpreter(argv: list[str]) -> subprocess.CompletedProcess:
+    """Runs the installed `inkling2` entry point on `argv` (arguments that end in parsing) and prints the heavy
+    modules it imported."""
+    script = (
+        "import sys\n"
+        "from importlib.metadata import entry_points\n"
+        "(command,) = entry_points(group='console_scripts', name='inkling2')\n"
+        "try:\n"
+        f"    command.load()({argv!r})\n"
+        "finally:\n"
+        f"    print('loaded:', *sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in SUBCOMMANDS)], ids=lambda c: " ".join(c) or "top")
+def test_help_imports_nothing_heavy(command):
+    result = parse_in_fresh_interpreter([*command, "--help"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: inkling2 {' '.join(command)}".rstrip())
+    assert result.stdout.rstrip().endswith("loaded:")
+
+
+def test_a_bad_argument_is_refused_before_anything_heavy_is_imported():
+    result = parse_in_fresh_interpreter(["plan", "--tp", "four"])
+    assert result.returncode == 2
+    assert "argument --tp: invalid int value: 'four'" in result.stderr
+    assert result.stdout.rstrip().endswith("loaded:")

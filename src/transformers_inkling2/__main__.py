@@ -1,3 +1,3 @@
-from .cli import main
+from transformers_inkling2_cli import main
 
 main()

@@ -140,7 +140,7 @@ def test_a_drafter_distilled_from_its_target_drafts_several_tokens_per_step():
 
 
 def test_train_dspark_command_writes_a_loadable_model(tmp_path):
-    from transformers_inkling2.cli import main
+    from transformers_inkling2_cli import main
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The sea is calm tonight. The tide is full, the moon lies fair upon the straits. " * 20)

@@ -3,7 +3,7 @@
 import pytest
 
 from transformers_inkling2 import Inkling2Config, memory_plan
-from transformers_inkling2.cli import main
+from transformers_inkling2_cli import main
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ import torch
 from inkling2_helpers import ORACLE_TEXT_CONFIG
 
 from transformers_inkling2 import Inkling2Cache, Inkling2Config, Inkling2ForCausalLM, Inkling2TextConfig
-from transformers_inkling2.cli import main
 from transformers_inkling2.parallel.planning import GIB, memory_plan
 from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import randomize_
+from transformers_inkling2_cli import main
 
 CONFIG = {**ORACLE_TEXT_CONFIG, "num_hidden_layers": 6, "n_layers_per_attn_res_block": 3}
 

@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from transformers_inkling2.cli import build_parser
 from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
 from transformers_inkling2.serving.server import (
     ChatCompletions,
@@ -21,6 +20,7 @@ from transformers_inkling2.serving.server import (
     to_template_messages,
 )
 from transformers_inkling2.tiny import build_tiny_causal_lm
+from transformers_inkling2_cli import build_parser
 
 openai = pytest.importorskip("openai")
 

@@ -1,0 +1,107 @@
+"""The `inkling2` command's entry point: its arguments, parsed before anything heavy is imported. It lives outside
+the package because importing `transformers_inkling2` registers the classes with transformers' Auto classes, which
+loads torch and transformers (seconds) that `--help` or a mistyped argument should not wait for. The subcommands run
+in `transformers_inkling2.cli`, imported once the arguments parse. (`python -m transformers_inkling2` runs this too,
+but only after importing the package.)
+
+    inkling2                                  generate with the embedded tiny model (no download)
+    inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
+    inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
+    inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
+    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N [--compile]]   a server
+    inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = ("generate", "serve", "quantize", "plan", "train-dspark")
+DEFAULT_PROMPT = "Write one sentence about the sea."
+COMPILE_HELP = "with --static-cache: the captured decode steps are compiled by torch.compile (the fastest path)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inkling2", description="Inkling-2-Small with Hugging Face transformers.")
+    commands = parser.add_subparsers(dest="command")
+    generate = commands.add_parser("generate", help="generate a reply to a prompt (the default command)")
+    generate.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    generate.add_argument("--prompt", default=DEFAULT_PROMPT)
+    generate.add_argument("--image", help="an image (path or URL) to ask about")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
+    generate.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--dspark", action="store_true", help="speculative decoding with the bundled DSpark drafter")
+    generate.add_argument(
+        "--static-cache", action="store_true", help="decode over Inkling2StaticCache (CUDA graphs on a GPU)"
+    )
+    generate.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")
+    serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-id", help="the name /v1/models reports (default: the checkpoint folder's name)")
+    serve.add_argument("--max-tokens", type=int, default=1024, help="for requests that do not say")
+    serve.add_argument("--effort", help="default thinking effort: none/minimal/low/medium/high/xhigh/max or 0-0.99")
+    serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    serve.add_argument("--dspark", action="store_true", help="decode with the bundled DSpark drafter")
+    serve.add_argument(
+        "--static-cache",
+        type=int,
+        metavar="TOKENS",
+        help="decode over one Inkling2StaticCache of this many tokens, reused by every request up to that length "
+        "(CUDA graphs on a GPU, captured once)",
+    )
+    serve.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
+    quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
+    quantize.add_argument("target", help="output folder")
+    quantize.add_argument("--mxfp8-from", type=int, default=40, help="first layer with MXFP8 experts (NVFP4 before)")
+    plan = commands.add_parser("plan", help="GPU memory per rank for a checkpoint variant, parallel size and context")
+    plan.add_argument("--config", help="a config.json or checkpoint folder (default: Inkling-2-Small's)")
+    plan.add_argument("--variant", default="nvfp4-mxfp8", choices=["nvfp4-mxfp8", "mxfp8", "bf16"])
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (attention heads)")
+    plan.add_argument("--ep", type=int, help="expert-parallel size (default: --tp)")
+    plan.add_argument("--context", type=int, default=262_144, help="tokens per sequence")
+    plan.add_argument("--batch", type=int, default=1, help="sequences")
+    plan.add_argument("--prefill-chunk", type=int, default=16_384)
+    plan.add_argument("--gpu-gib", type=float, default=139.0, help="usable memory per GPU (H200: about 139 GiB)")
+    train = commands.add_parser("train-dspark", help="distill the DSpark drafter from its frozen target on text")
+    train.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    train.add_argument("--output", required=True, help="folder for the model with its trained drafter")
+    train.add_argument("--corpus", nargs="*", help="text files (default: CPython's English documentation, pydoc_data)")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--window", type=int, default=512, help="tokens per training window")
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--anchors", type=int, default=32, help="blocks per window")
+    train.add_argument("--learning-rate", type=float, default=3e-3)
+    train.add_argument("--new-drafter", action="store_true", help="train a fresh drafter instead of the model's own")
+    train.add_argument(
+        "--self-distill",
+        type=int,
+        metavar="N",
+        help="train on N windows whose second half the target writes itself (sampled) instead of the corpus text",
+    )
+    train.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
+    train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    train.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
+        argv = ["generate", *argv]
+    args = build_parser().parse_args(argv)
+    from transformers_inkling2.cli import COMMANDS
+
+    COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,9 @@ so a checkpoint's config loads unchanged into either package. Defaults describe 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
@@ -45,13 +48,24 @@ TEXT_MODEL_EP_PLAN = {
     "layers.*.mlp.experts": "ep_dispatch_experts",
 }
 
-def require_positive(config: PreTrainedConfig, fields: tuple[str, ...]) -> None:
-    """Sizes, counts and scales that only make sense above zero: a clear error naming each field that is not, before
-    any check that would divide by it."""
-    wrong = {name: getattr(config, name) for name in fields if not getattr(config, name) > 0}
+# What a numeric field can hold, as (what the error says, test); NaN fails every test.
+POSITIVE = ("positive and finite", lambda value: 0 < value < math.inf)
+NON_NEGATIVE = ("non-negative and finite", lambda value: 0 <= value < math.inf)
+PROBABILITY = ("a probability in [0, 1]", lambda value: 0 <= value <= 1)
+FINITE = ("finite", math.isfinite)
+NumberRule = tuple[str, Callable[[float], bool]]
+
+
+def require_valid_numbers(config: PreTrainedConfig, rules: dict[str, NumberRule]) -> None:
+    """Sizes, counts, scales and rates that cannot be: a clear error naming each such field, before any check that
+    would divide by one (a negative width otherwise fails later, far from its cause, or blames another field)."""
+    wrong = [
+        f"`{name}` = {getattr(config, name)!r} (must be {kind})"
+        for name, (kind, test) in rules.items()
+        if not test(getattr(config, name))
+    ]
     if wrong:
-        listing = ", ".join(f"`{name}` = {value!r}" for name, value in wrong.items())
-        raise ValueError(f"{type(config).__name__}: {listing}; each must be positive.")
+        raise ValueError(f"{type(config).__name__}: {', '.join(wrong)}.")
 
 
 DSPARK_HEAD_TYPES = ("rnn", "vanilla")
@@ -59,6 +73,11 @@ POSITIVE_DSPARK_FIELDS = (
     "block_size", "markov_rank", "num_draft_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "context_window", "distance_buckets", "rms_norm_eps",
 )  # fmt: skip
+DSPARK_NUMBER_RULES = {
+    **dict.fromkeys(POSITIVE_DSPARK_FIELDS, POSITIVE),
+    "mask_token_id": NON_NEGATIVE,
+    "initializer_range": NON_NEGATIVE,
+}
 POSITIVE_TEXT_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "sliding_window_size", "d_rel",
@@ -67,10 +86,22 @@ POSITIVE_TEXT_FIELDS = (
     "rel_l2_clip_threshold", "n_layers_per_attn_res_block", "mlp_gate_softcap", "mlp_up_softcap",
     "final_logit_softcapping",
 )  # fmt: skip
+TEXT_NUMBER_RULES = {
+    **dict.fromkeys(POSITIVE_TEXT_FIELDS, POSITIVE),
+    "log_scaling_alpha": NON_NEGATIVE,  # a negative one would shrink, then flip, the queries of long contexts
+    "attention_dropout": PROBABILITY,
+    "initializer_range": NON_NEGATIVE,
+}
 POSITIVE_VISION_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
     "layer_norm_eps", "spatial_merge_size", "posemb_grid_size", "projection_hidden_dim", "text_hidden_size",
 )  # fmt: skip
+VISION_NUMBER_RULES = {
+    **dict.fromkeys(POSITIVE_VISION_FIELDS, POSITIVE),
+    "attention_dropout": PROBABILITY,
+    "layer_scale_init_value": FINITE,
+    "initializer_range": NON_NEGATIVE,
+}
 
 
 @strict
@@ -125,7 +156,7 @@ class Inkling2DSparkConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
-        require_positive(self, POSITIVE_DSPARK_FIELDS)
+        require_valid_numbers(self, DSPARK_NUMBER_RULES)
         super().validate_architecture()
         if self.head_type not in DSPARK_HEAD_TYPES:
             raise ValueError(f"`head_type` must be one of {DSPARK_HEAD_TYPES}, got {self.head_type!r}.")
@@ -134,8 +165,11 @@ class Inkling2DSparkConfig(PreTrainedConfig):
                 f"DSpark `num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
                 f"`num_key_value_heads` ({self.num_key_value_heads})."
             )
-        if not self.target_layer_ids:
-            raise ValueError("DSpark needs `target_layer_ids`: the target layers whose outputs it reads.")
+        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+            raise ValueError(
+                f"DSpark needs `target_layer_ids`: the target layers whose outputs it reads, numbered from 0; got "
+                f"{self.target_layer_ids!r}."
+            )
 
     def check_fits_target(self, text_config: "Inkling2TextConfig") -> None:
         """The drafter reads the target's layers and shares its embedding: their sizes must agree."""
@@ -260,7 +294,7 @@ class Inkling2TextConfig(PreTrainedConfig):
             )
 
     def validate_architecture(self):
-        require_positive(self, POSITIVE_TEXT_FIELDS)
+        require_valid_numbers(self, TEXT_NUMBER_RULES)
         super().validate_architecture()
         for prefix, heads, kv_heads in (
             ("", self.num_attention_heads, self.num_key_value_heads),
@@ -282,8 +316,6 @@ class Inkling2TextConfig(PreTrainedConfig):
             )
         if self.scoring_func != "sigmoid":
             raise ValueError(f"Inkling2 routers score experts with a sigmoid, got `scoring_func={self.scoring_func!r}`.")
-        if self.n_layers_per_attn_res_block < 1 or self.conv_kernel_size < 1:
-            raise ValueError("`n_layers_per_attn_res_block` and `conv_kernel_size` must be positive.")
         if self.expert_quantization is not None:
             formats = self.expert_quantization.get("formats", [])
             if len(formats) != self.num_hidden_layers or not set(formats) <= set(EXPERT_FORMATS):
@@ -346,13 +378,14 @@ class Inkling2VisionConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None:
+            require_valid_numbers(self, {"mlp_ratio": POSITIVE})  # before it sizes the MLP (the validators run later)
             self.intermediate_size = int(self.hidden_size * self.mlp_ratio)
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "axial", "rope_theta": 10000.0}
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
-        require_positive(self, POSITIVE_VISION_FIELDS)
+        require_valid_numbers(self, VISION_NUMBER_RULES)
         super().validate_architecture()
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -397,6 +430,11 @@ class Inkling2Config(PreTrainedConfig):
         self.text_config.dspark_config = self.dspark_config
 
     def validate_architecture(self):
+        if not 0 <= self.image_token_id < self.text_config.vocab_size:
+            raise ValueError(
+                f"`image_token_id` = {self.image_token_id!r} is outside the vocabulary (0 to "
+                f"{self.text_config.vocab_size - 1}): it must be the token that image placeholders use."
+            )
         if self.dspark_config is not None:
             self.dspark_config.check_fits_target(self.text_config)
         if self.vision_config.text_hidden_size != self.text_config.hidden_size:

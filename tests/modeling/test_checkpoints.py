@@ -213,12 +213,13 @@ def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path, pair
         assert torch.equal(loaded.model.state_dict()[name], tensor), name
 
 
-def test_a_non_finite_weight_is_named(tmp_path, pair_and_ids):
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_weight_is_named(tmp_path, pair_and_ids, value):
     ours, _, _ = pair_and_ids
 
     def poison(sd):
         sd["model.llm.layers.2.mlp_norm.weight"] = sd["model.llm.layers.2.mlp_norm.weight"].clone()
-        sd["model.llm.layers.2.mlp_norm.weight"][5] = float("nan")
+        sd["model.llm.layers.2.mlp_norm.weight"][5] = value
 
     folder = saved_with(tmp_path, ours, poison)
     with pytest.raises(ValueError, match=r"model\.layers\.2\.post_attention_layernorm\.weight holds 1 NaN .*\[5\]"):

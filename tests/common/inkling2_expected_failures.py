@@ -90,17 +90,9 @@ BUILTIN_MODEL = {
 }
 
 # No reference runs for these (see their modules): the built-in's behaviour is read from its source
-OURS_IMAGE_PROCESSOR = {
-    "test_call_numpy_4_channels": (
-        "ValueError: Inkling2 needs RGB images, got 4 channels: keep `do_convert_rgb=True` (our _preprocess refuses "
-        "a 4-channel image with do_convert_rgb=False; the built-in pads and normalizes any channel count)"
-    ),
-    "test_new_models_require_torchvision_backend": (
-        "the suite wants a torchvision-backend image processor for models added after 2025-09 (the built-in's is "
-        "one); ours is Pillow + NumPy only, by design (AutoImageProcessor maps both backends to it)"
-    ),
-}
-IMAGE_PROCESSOR_SKIPS = {}
+_HUB_IMAGE = "needs the suite's sample image from the Hub (coco_sample.png): no network here"
+OURS_IMAGE_PROCESSOR = {}
+IMAGE_PROCESSOR_SKIPS = {"test_backends_equivalence": _HUB_IMAGE}
 
 OURS_TOKENIZER = {}
 BUILTIN_TOKENIZER = {}
@@ -109,7 +101,6 @@ TOKENIZER_SKIPS = {}
 TOKENIZER_SLOW = ("test_save_and_load_tokenizer", "test_chat_template", "test_chat_template_dict_saving")
 
 OURS_PROCESSOR = {}
-_HUB_IMAGE = "needs the suite's sample image from the Hub (coco_sample.png): no network here"
 PROCESSOR_SKIPS = {
     "test_apply_chat_template_image_0": _HUB_IMAGE,
     "test_apply_chat_template_image_1": _HUB_IMAGE,

@@ -1,4 +1,5 @@
-"""transformers' common image-processing suite on our `Inkling2ImageProcessorPil` (Pillow + NumPy).
+"""transformers' common image-processing suite on our `Inkling2ImageProcessor` (Pillow + NumPy), which
+AutoImageProcessor gives for both backend names ("pil" and "torchvision"): the suite runs it under both.
 
 No reference runs: transformers' built-in `Inkling2ImageProcessor` is torchvision-based, and torchvision is not
 installed here (nor needed by this package). Failures are marked as in the model modules
@@ -18,7 +19,9 @@ transformers_suites.require_suites()
 from inkling2_common_testers import _SeededTest, expect, image_processing_testers  # noqa: E402
 from inkling2_expected_failures import IMAGE_PROCESSOR_SKIPS, OURS_IMAGE_PROCESSOR  # noqa: E402
 
-from transformers_inkling2 import Inkling2ImageProcessorPil  # noqa: E402
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING  # noqa: E402
+
+from transformers_inkling2 import Inkling2Config  # noqa: E402
 
 ImageProcessingTester, ImageProcessingTestMixin = image_processing_testers()
 
@@ -36,8 +39,9 @@ class Inkling2ImageProcessingTester(ImageProcessingTester):
         super().__init__(parent, **kwargs)
 
     def _get_image_processing_classes(self):
-        # (the suite looks the classes up by the test folder's name, a model type: here they are named)
-        return {"pil": Inkling2ImageProcessorPil}
+        # the suite looks the classes up by the test folder's name, a model type; here: what AutoImageProcessor gives
+        # for each backend. Ours for both (Pillow + NumPy, no torchvision), as `backend="torchvision"` loads it too
+        return dict(IMAGE_PROCESSOR_MAPPING[Inkling2Config])
 
     def expected_output_image_shape(self, images):
         # one [40, 40, 3] block per image token (the tokens of all the images, one after another)
@@ -45,14 +49,15 @@ class Inkling2ImageProcessingTester(ImageProcessingTester):
 
 
 def image_tokens(image, cell=40) -> int:
-    """Image tokens of one test image: its 40 x 40 cells, the last row and column padded."""
+    """Image tokens of one test image, counted as tml-renderers counts them: `ceil(H / 40)` rows, `W // 40 + 1`
+    columns (docs/images.md)."""
     if isinstance(image, np.ndarray):
         height, width = image.shape[:2]  # the suite's NumPy images are channels-last
     elif isinstance(image, torch.Tensor):
         height, width = image.shape[1:]  # and its tensors channels-first
     else:
         width, height = image.size
-    return math.ceil(height / cell) * math.ceil(width / cell)
+    return math.ceil(height / cell) * (width // cell + 1)
 
 
 class Inkling2ImageProcessingTest(_SeededTest, ImageProcessingTestMixin, unittest.TestCase):

@@ -39,10 +39,10 @@ def random_pil(height, width, mode="RGB", seed=0) -> PIL.Image.Image:
     return PIL.Image.fromarray(array, mode)
 
 
-def unpatchify(pixel_values: torch.Tensor, rows: int, cols: int) -> np.ndarray:
-    """Blocks `[rows * cols, 40, 40, 3]` back to the padded `[rows * 40, cols * 40, 3]` image (the inverse rule)."""
-    blocks = pixel_values.numpy().reshape(rows, cols, CELL, CELL, 3)
-    return blocks.transpose(0, 2, 1, 3, 4).reshape(rows * CELL, cols * CELL, 3)
+def unpatchify(pixel_values: torch.Tensor, rows: int, cols: int, channels: int = 3) -> np.ndarray:
+    """Blocks `[rows * cols, 40, 40, C]` back to the padded `[rows * 40, cols * 40, C]` image (the inverse rule)."""
+    blocks = pixel_values.numpy().reshape(rows, cols, CELL, CELL, channels)
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(rows * CELL, cols * CELL, channels)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +178,30 @@ def test_grayscale_arrays_are_replicated(processor):
     array = np.array(gray)
     for image in (gray, array, array[..., None], torch.from_numpy(array), torch.from_numpy(array)[None]):
         np.testing.assert_array_equal(first_block(processor, image)[:9, :13], expected)
+
+
+def test_without_rgb_conversion_the_channels_stay(processor):
+    """`do_convert_rgb=False` keeps an image's channels (transformers' meaning; the suite's 4-channel test): each
+    channel normalized with its own mean and std, padding as usual. The model itself needs RGB (its ViT refuses
+    other channel counts: test_pipeline.py)."""
+    rgba = random_pil(9, 41, "RGBA")
+    mean, std = [0.0, 0.25, 0.5, 1.0], [1.0, 0.5, 0.25, 2.0]
+    out = processor(rgba, do_convert_rgb=False, image_mean=mean, image_std=std, return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 1, 2]] and out["pixel_values"].shape == (2, CELL, CELL, 4)
+    canvas = unpatchify(out["pixel_values"], 1, 2, channels=4)
+    expected = (np.asarray(rgba, dtype=np.float32) / 255 - np.float32(mean)) / np.float32(std)
+    np.testing.assert_allclose(canvas[:9, :41], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(canvas[9:, :, 3], (-1 / 255 - 1.0) / 2.0, rtol=1e-6)
+    gray = processor(random_pil(9, 13, "L"), do_convert_rgb=False, image_mean=0.5, image_std=0.5)
+    assert gray["pixel_values"].shape == (1, CELL, CELL, 1)
+
+
+def test_without_rgb_conversion_mismatches_are_clear_errors(processor):
+    rgba = random_rgb(9, 13)[..., [0, 1, 2, 0]]
+    with pytest.raises(ValueError, match=r"`image_mean` has 3 values but the images have 4 channels.*do_convert_rgb"):
+        processor(rgba, do_convert_rgb=False)
+    with pytest.raises(ValueError, match="same number of channels, got 4 and 3"):
+        processor([rgba, random_rgb(9, 13)], do_convert_rgb=False, image_mean=0.5, image_std=0.5)
 
 
 def test_array_and_tensor_layouts_agree_with_pil(processor):

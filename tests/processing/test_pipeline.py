@@ -76,6 +76,14 @@ def test_the_extra_column_reaches_the_model(pipe):
     assert pipe.model(**inputs).logits.isfinite().all()
 
 
+def test_the_model_refuses_images_that_are_not_rgb(pipe):
+    """The processor keeps 4 channels when told not to convert (`do_convert_rgb=False`); the ViT needs RGB."""
+    rgba = np.random.default_rng(2).integers(0, 255, (30, 50, 4), dtype=np.uint8)
+    inputs = pipe.processor.image_processor(rgba, do_convert_rgb=False, image_mean=[0.5] * 4, image_std=[0.5] * 4)
+    with pytest.raises(ValueError, match=r"\[image tokens, 40, 40, 3\]"):
+        pipe.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+
+
 @pytest.mark.parametrize("source", ["url", "path", "pil"])
 def test_images_from_a_url_a_path_and_pil_give_the_same_reply(pipe, saved, image_url, source):
     image = {

@@ -242,7 +242,10 @@ class Inkling2ImageProcessor(PilBackend):
     Args:
         size (`dict`, defaults to `{"height": 40, "width": 40}`): pixels per image token (patch size x merge size).
         max_pixels (`int`, *optional*): see `Inkling2ImageProcessorKwargs`; `None` never resizes.
-        do_convert_rgb, do_rescale, rescale_factor, do_normalize, image_mean, image_std: as usual in transformers.
+        do_convert_rgb (`bool`, defaults to `True`): RGB, which the model needs. `False` keeps each image's own
+            channels (as transformers' processors do), for inspecting or for other models: `image_mean` and
+            `image_std` then need one value per channel (or one for all), and the model's ViT refuses anything but 3.
+        do_rescale, rescale_factor, do_normalize, image_mean, image_std: as usual in transformers.
     """
 
     valid_kwargs = Inkling2ImageProcessorKwargs
@@ -340,11 +343,20 @@ class Inkling2ImageProcessor(PilBackend):
         if not images:
             raise ValueError("No images to process: pass at least one image.")
         cell_height, cell_width = size.height, size.width
+        channels = images[0].shape[0]
+        for name, values in (("image_mean", image_mean), ("image_std", image_std)):
+            count = np.size(values)
+            if do_normalize and count not in (1, channels):
+                raise ValueError(
+                    f"`{name}` has {count} values but the images have {channels} channels: keep "
+                    "`do_convert_rgb=True` for the RGB the model needs, or pass one value per channel."
+                )
         blocks, image_grid_thw = [], []
         for image in images:
-            if image.shape[0] != 3:
+            if image.shape[0] != channels:
                 raise ValueError(
-                    f"Inkling2 needs RGB images, got {image.shape[0]} channels: keep `do_convert_rgb=True`."
+                    f"Images of one call must have the same number of channels, got {channels} and "
+                    f"{image.shape[0]}: keep `do_convert_rgb=True` (all RGB), or process them separately."
                 )
             _, height, width = image.shape
             if do_rescale and np.issubdtype(image.dtype, np.floating) and image.size and image.max() <= 1.0:

@@ -126,34 +126,3 @@ def test_hidden_states_equal_builtin():
         oracle_states = oracle.model(input_ids, output_hidden_states=True, use_cache=False).hidden_states
     assert len(ours_states) == len(oracle_states) == ORACLE_TEXT_CONFIG["num_hidden_layers"] + 1
     assert max((a - b).abs().max() for a, b in zip(ours_states, oracle_states)) <= 1e-4
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_short_convolution_equals_the_reference(dtype):
-    """The sum that prefill compiles into one kernel on CUDA (`fused_convolution`) against the module's `F.conv1d`
-    path, after three held inputs (as from a cache), on the time-major context that the caches build for a prompt."""
-    import math
-
-    from transformers_inkling2.backends.convolution import compiled_short_convolution
-    from transformers_inkling2.cache.common import join_convolution_context
-    from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2ShortConvolution
-
-    generator = torch.Generator().manual_seed(7)
-    convolution = Inkling2ShortConvolution(48, 4, layer_idx=0, conv_idx=0)
-    torch.nn.init.normal_(convolution.conv1d.weight, generator=generator)
-    x = torch.randn(2, 20, 48, generator=generator).to(dtype)
-    history = torch.randn(2, 48, 3, generator=generator)
-
-    class HeldInputs:  # the cache's part in a convolution
-        def convolution_context(self, layer_idx, conv_idx, inputs, kernel_size, query_positions):
-            return join_convolution_context(history, inputs)
-
-    expected = convolution(x, cache=HeldInputs()).float()
-    context = join_convolution_context(history, x.float().transpose(1, 2))
-    assert context.stride(1) == 1  # time-major: 20 tokens are a prompt
-    weight = convolution.conv1d.weight.detach().squeeze(1)
-    fused = compiled_short_convolution()(context, x, weight, math.sqrt(5))
-    assert fused.dtype == dtype and fused.shape == expected.shape
-    fused = fused.float()
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output at most
-    assert ((fused - expected).abs() / expected.abs().clamp(min=1)).max() <= tolerance

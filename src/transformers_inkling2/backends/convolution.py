@@ -3,19 +3,20 @@
 Registered as the model's `"prompt_convolution"` kernel (`modeling.interfaces.KERNELS`). The reference
 (`Inkling2ShortConvolution`) runs `F.conv1d` on the [batch, C, T + k - 1] context, then adds the
 residual, scales and casts: over a long prompt, several passes through fp32 activations, one of them a transposing
-copy. Written as a sum of k shifted products, the same computation compiles (`torch.compile`) into one kernel that
-reads the context where it lies (time-major for a prompt, see `cache.common.join_convolution_context`) and writes the output
-dtype. Decode and verification steps (at most `MAX_STEP_TOKENS` tokens, as for attention) keep the
-reference path and its layout, so that what CUDA graphs capture stays as it was.
+copy. Written as a sum of k shifted products (`short_convolution_sum`, the readable form the tests hold the kernel
+to), the same computation is one Triton kernel (`convolution_kernel`) that reads the context where it lies
+(time-major for a prompt, see `cache.common.join_convolution_context`) and writes the output dtype. Decode and
+verification steps (at most `MAX_STEP_TOKENS` tokens, as for attention) keep the reference path and its layout, so
+that what CUDA graphs capture stays as it was.
 """
-
-import functools
 
 import torch
 
 from ..cache.common import MAX_STEP_TOKENS
 from ..modeling.tensors import differentiable
 from .attention.flex import on_cuda_outside_compile
+
+MAX_KERNEL_SIZE = 8  # the kernel's taps are unrolled; larger kernels (none in the model, k = 4) keep the reference
 
 
 def short_convolution_sum(context: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, divisor: float):
@@ -29,23 +30,21 @@ def short_convolution_sum(context: torch.Tensor, x: torch.Tensor, weight: torch.
     return ((convolved.transpose(1, 2) + x.float()) / divisor).to(x.dtype)
 
 
-@functools.cache
-def compiled_short_convolution():
-    return torch.compile(short_convolution_sum, dynamic=True, fullgraph=True)
-
-
 def runs_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a convolution of x [batch, T, C] takes the compiled kernel: a prompt (more than `MAX_STEP_TOKENS`
-    tokens) on CUDA, no gradients, not already inside a compiled graph."""
-    return on_cuda_outside_compile(x) and x.shape[1] > MAX_STEP_TOKENS and not differentiable(x, weight)
+    """Whether a convolution of x [batch, T, C] takes the fused kernel: a prompt (more than `MAX_STEP_TOKENS`
+    tokens) on CUDA, no gradients, not already inside a compiled graph, at most `MAX_KERNEL_SIZE` taps."""
+    fits = x.shape[1] > MAX_STEP_TOKENS and weight.shape[-1] <= MAX_KERNEL_SIZE
+    return on_cuda_outside_compile(x) and fits and not differentiable(x, weight)
 
 
 def fused_prompt_convolution(context: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, divisor: float):
-    """`short_convolution_sum` compiled, for the convolutions that take it (`runs_fused`); None for the others, which
-    the model computes itself. weight [C, 1, k] as `F.conv1d` takes it."""
+    """`short_convolution_sum` as one Triton kernel, for the convolutions that take it (`runs_fused`); None for the
+    others, which the model computes itself. weight [C, 1, k] as `F.conv1d` takes it."""
     if not runs_fused(x, weight):
         return None
-    return compiled_short_convolution()(context, x, weight.squeeze(1), divisor)
+    from .convolution_kernel import short_convolution  # Triton, imported where the kernel runs
+
+    return short_convolution(context, x, weight.squeeze(1), divisor)
 
 
-__all__ = ["compiled_short_convolution", "fused_prompt_convolution", "runs_fused", "short_convolution_sum"]
+__all__ = ["MAX_KERNEL_SIZE", "fused_prompt_convolution", "runs_fused", "short_convolution_sum"]

@@ -1,0 +1,180 @@
+"""The prompt's fused short convolution (`backends/convolution_kernel.py`, what CUDA prefill runs) against
+`short_convolution_sum` and against the module's reference path (`Inkling2ShortConvolution`, `F.conv1d`), on fresh
+random inputs.
+
+Tolerances. Against `short_convolution_sum`: fp32 bit for bit (the kernel does the sum's operations in its order,
+unfused, with a correctly rounded division, as PyTorch's CPU kernels do); fp16/bf16 outputs bit for bit on a GPU and
+within one ulp of the output dtype under Triton's interpreter, whose fp32 -> bf16 cast truncates. Against
+`F.conv1d`, which sums in its own order: relative to max(|reference|, 1), 1e-5 in fp32 and one ulp of the output
+dtype in fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from inkling2_helpers import needs_triton, run_under_triton_interpreter
+
+from transformers_inkling2.backends.convolution import (
+    MAX_KERNEL_SIZE,
+    fused_prompt_convolution,
+    runs_fused,
+    short_convolution_sum,
+)
+from transformers_inkling2.cache.common import join_convolution_context
+from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2ShortConvolution
+
+
+def convolution_inputs(batch, length, channels, kernel_size, dtype, seed, device="cpu"):
+    """An `Inkling2ShortConvolution` with random weights, x [batch, T, C] and the k - 1 inputs held before it (as a
+    cache holds them; random, never zeros), on `device`."""
+    generator = torch.Generator().manual_seed(seed)
+    convolution = Inkling2ShortConvolution(channels, kernel_size, layer_idx=0, conv_idx=0)
+    torch.nn.init.normal_(convolution.conv1d.weight, std=0.5, generator=generator)
+    x = torch.randn(batch, length, channels, generator=generator).to(dtype)
+    history = torch.randn(batch, channels, kernel_size - 1, generator=generator)
+    return convolution.to(device), x.to(device), history.to(device)
+
+
+class HeldInputs:
+    """The cache's part in a convolution: `history` before the inputs, joined as the caches join them."""
+
+    def __init__(self, history):
+        self.history = history
+
+    def convolution_context(self, layer_idx, conv_idx, inputs, kernel_size, query_positions):
+        return join_convolution_context(self.history, inputs)
+
+
+def reference_pair(convolution, x, history):
+    """(the module's output, the context the model builds for x): a prompt's is time-major."""
+    with torch.no_grad():
+        expected = convolution(x, cache=HeldInputs(history))
+    return expected, join_convolution_context(history, x.float().transpose(1, 2))
+
+
+def within(actual, expected, tolerance):
+    """max |actual - expected| / max(|expected|, 1) <= tolerance."""
+    expected = expected.float()
+    return ((actual.float() - expected).abs() / expected.abs().clamp(min=1)).max().item() <= tolerance
+
+
+def conv1d_tolerance(dtype):
+    """Of `within` against `F.conv1d`: fp32 sums in another order; a low-precision output may round the other way."""
+    return 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+
+
+def within_one_ulp(actual, expected):
+    """Each element at most one ulp of expected's (low-precision) dtype from it."""
+    finfo = torch.finfo(expected.dtype)
+    bound = finfo.eps * expected.float().abs().clamp(min=finfo.tiny)
+    return bool(((actual.float() - expected.float()).abs() <= bound).all())
+
+
+_INTERPRETER_SCRIPT = r"""
+import json, math, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from test_convolution import conv1d_tolerance, convolution_inputs, reference_pair, within, within_one_ulp
+from transformers_inkling2.backends.convolution import short_convolution_sum
+from transformers_inkling2.backends.convolution_kernel import BLOCK_C, BLOCK_T, short_convolution
+
+# (batch, T, C, k, dtype): T never a multiple of BLOCK_T; C = 300 spans channel blocks, the last partial
+cases = [
+    (1, 20, 48, 2, torch.float32), (2, 45, 48, 3, torch.float32), (2, 45, 300, 4, torch.float32),
+    (1, 70, 48, 5, torch.float32), (2, 20, 48, 2, torch.bfloat16), (1, 45, 300, 3, torch.bfloat16),
+    (2, 45, 48, 4, torch.bfloat16), (2, 70, 48, 5, torch.bfloat16), (2, 45, 48, 4, torch.float16),
+]
+results = {}
+for seed, (batch, length, channels, k, dtype) in enumerate(cases):
+    assert length % BLOCK_T and (channels < BLOCK_C or channels % BLOCK_C)
+    convolution, x, history = convolution_inputs(batch, length, channels, k, dtype, seed)
+    expected, context = reference_pair(convolution, x, history)
+    assert context.stride(1) == 1  # time-major, as the model lays out a prompt's context
+    weight, divisor = convolution.conv1d.weight.detach().squeeze(1), math.sqrt(k + 1)
+    layouts = {"time-major": (context, x)}
+    if seed % 3 == 0:  # other strides: a channel-major context, x a view into wider activations
+        wide = torch.randn(batch, length, channels + 16, generator=torch.Generator().manual_seed(99)).to(dtype)
+        wide[..., 8 : 8 + channels] = x
+        layouts["channel-major, x a view"] = (context.contiguous(), wide[..., 8 : 8 + channels])
+    for layout, (context, x_view) in layouts.items():
+        fused = short_convolution(context, x_view, weight, divisor)
+        summed = short_convolution_sum(context, x, weight, divisor)
+        name = f"{batch}x{length}x{channels}, k={k}, {dtype}, {layout}"
+        exact = torch.equal(fused, summed) if dtype == torch.float32 else within_one_ulp(fused, summed)
+        close = within(fused, expected, conv1d_tolerance(dtype))
+        results[name] = [fused.dtype == dtype and fused.shape == x.shape, exact, close]
+print(json.dumps(results))
+"""
+
+
+@needs_triton
+def test_kernel_under_the_triton_interpreter_equals_the_sum_and_the_module():
+    """fp32/fp16/bf16, k = 2..5, batch 1-2, partial token and channel tiles, the model's time-major context and other
+    strides; `[right dtype and shape, equal to the sum, within tolerance of F.conv1d]` for each case."""
+    here = Path(__file__).parent
+    results = run_under_triton_interpreter(_INTERPRETER_SCRIPT, str(here.parent), str(here))
+    assert len(results) == 12 and all(all(checks) for checks in results.values()), results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_equals_the_module(dtype):
+    """The readable reference itself (no Triton needed) against `F.conv1d`, after held inputs, on a prompt's
+    time-major context."""
+    convolution, x, history = convolution_inputs(2, 20, 48, 4, dtype, seed=7)
+    expected, context = reference_pair(convolution, x, history)
+    weight = convolution.conv1d.weight.detach().squeeze(1)
+    summed = short_convolution_sum(context, x, weight, math.sqrt(5))
+    assert summed.dtype == dtype and within(summed, expected, conv1d_tolerance(dtype))
+
+
+def test_cpu_tensors_keep_the_reference_path():
+    """Only CUDA prompts take the kernel: on CPU the hook declines and the module runs `F.conv1d`."""
+    convolution, x, history = convolution_inputs(1, 20, 16, 4, torch.float32, seed=3)
+    _, context = reference_pair(convolution, x, history)
+    assert not runs_fused(x, convolution.conv1d.weight)
+    assert fused_prompt_convolution(context, x, convolution.conv1d.weight, math.sqrt(5)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch, length", [(1, 8192), (2, 1037)], ids=["8k", "2x1037"])
+def test_gpu_kernel_full_width(batch, length, dtype):
+    """4,608 channels, k = 4, through the module (which takes the kernel on CUDA): bit for bit
+    `short_convolution_sum` on CPU copies, and within tolerance of the module's `F.conv1d` path (run on CPU, where the
+    kernel is never taken)."""
+    convolution, x, history = convolution_inputs(batch, length, 4608, 4, dtype, seed=length, device="cuda")
+    weight = convolution.conv1d.weight
+    assert not runs_fused(x, weight)  # gradients flow: the kernel has no backward
+    with torch.no_grad():
+        assert runs_fused(x, weight) and not runs_fused(x[:, :8], weight)
+        assert not runs_fused(x, torch.randn(4608, 1, MAX_KERNEL_SIZE + 1, device="cuda"))
+    fused, context = reference_pair(convolution, x, history)
+    assert fused.dtype == dtype and fused.is_contiguous()
+    weight = convolution.conv1d.weight.detach().squeeze(1).cpu()
+    assert torch.equal(fused.cpu(), short_convolution_sum(context.cpu(), x.cpu(), weight, math.sqrt(5)))
+    expected, _ = reference_pair(convolution.cpu(), x.cpu(), history.cpu())
+    assert within(fused.cpu(), expected, conv1d_tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_past_2_31_elements():
+    """4 x 131,072 tokens x 4,608 channels (2.4e9 elements, 20 GB with the context): the last row's last tokens, whose
+    offsets need 64 bits, bit for bit `short_convolution_sum` on CPU copies of their slices."""
+    batch, length, channels, tail = 4, 131072, 4608, 64
+    assert batch * length * channels > 2**31
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(batch, length, channels, device="cuda", dtype=torch.bfloat16, generator=generator)
+    history = torch.randn(batch, channels, 3, device="cuda", generator=generator)
+    weight = torch.randn(channels, 1, 4, device="cuda", generator=generator)
+    context = join_convolution_context(history, x.float().transpose(1, 2))
+    with torch.no_grad():
+        fused = fused_prompt_convolution(context, x, weight, math.sqrt(5))
+    for row, tokens in ((0, slice(0, tail)), (batch - 1, slice(length - tail, length))):
+        held = context[row : row + 1, :, tokens.start : tokens.stop + 3].cpu()
+        expected = short_convolution_sum(held, x[row : row + 1, tokens].cpu(), weight.squeeze(1).cpu(), math.sqrt(5))
+        assert torch.equal(fused[row : row + 1, tokens].cpu(), expected)

@@ -195,6 +195,17 @@ def test_a_checkpoint_whose_names_do_not_convert_is_a_clear_error(tmp_path, pair
     assert isinstance(loaded, Inkling2ForCausalLM)
 
 
+def test_a_checkpoint_holding_none_of_the_models_tensors_loads_them_initialized_as_transformers_does(tmp_path, pair_and_ids):
+    """Nothing under unknown names (one small integer tensor the model does not load): the checkpoint simply lacks
+    the model's tensors, reported missing and initialized, not an unconverted layout."""
+    ours, _, _ = pair_and_ids
+    ours.save_pretrained(tmp_path)
+    save_file({"tensor": torch.tensor([1, 2])}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = Inkling2ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == set(loaded.state_dict()) and info["unexpected_keys"] == {"tensor"}
+    assert all(torch.isfinite(tensor).all() for tensor in loaded.state_dict().values() if tensor.is_floating_point())
+
+
 def test_a_tensor_of_the_wrong_shape_is_a_clear_error(tmp_path, pair_and_ids):
     ours, _, _ = pair_and_ids
     folder = saved_with(tmp_path, ours, lambda sd: sd.update({"model.llm.layers.4.attn.wk_dv.weight": torch.ones(3, 64)}))

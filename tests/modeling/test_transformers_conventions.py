@@ -18,8 +18,26 @@ def test_activation_checkpointing_takes_transformers_keywords_and_trains():
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="non-reentrant"):
-        model.activation_checkpointing_enable({"use_reentrant": True})
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_training_gives_the_gradients_of_plain_training(use_reentrant):
+    """Reentrant checkpointing only carries gradients through a layer's positional tensors: the attention-residual
+    blocks travel as one, so every parameter (the embedding, read again by every later mix, too) gets its gradient."""
+    model = build_tiny_causal_lm().train()
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    checkpointed = gradients()
+    assert checkpointed.keys() == plain.keys() and "model.embed_tokens.weight" in plain
+    for name, gradient in plain.items():
+        torch.testing.assert_close(checkpointed[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("build", [build_tiny_causal_lm, build_tiny_model], ids=["causal_lm", "multimodal"])
@@ -58,6 +76,41 @@ def test_get_image_features_returns_the_vision_output_with_each_images_features(
     torch.testing.assert_close(torch.cat(outputs.pooler_output), vision.pooler_output, rtol=0, atol=0)
     assert len(outputs.hidden_states) == model.config.vision_config.num_hidden_layers + 1
     assert isinstance(as_tuple, tuple)
+
+
+def test_get_image_features_returns_each_layers_attention_per_image():
+    from inkling2_helpers import images
+
+    model = build_tiny_model().eval()
+    pixel_values, grid = images((2, 3), (1, 2))
+    with torch.no_grad():
+        outputs = model.get_image_features(pixel_values, grid, output_attentions=True)
+        plain = model.get_image_features(pixel_values, grid)
+    vision = model.config.vision_config
+    heads, lengths = vision.num_attention_heads, [1 + 4 * 6, 1 + 4 * 2]  # a class token, then 4 patches a token
+    assert len(outputs.attentions) == vision.num_hidden_layers and plain.attentions is None
+    for layer in outputs.attentions:
+        assert [tuple(image.shape) for image in layer] == [(1, heads, n, n) for n in lengths]
+        torch.testing.assert_close(layer[0].sum(-1), torch.ones(1, heads, lengths[0]))
+    torch.testing.assert_close(torch.cat(outputs.pooler_output), torch.cat(plain.pooler_output))
+
+
+def test_heads_record_router_logits_and_hidden_states_by_index_or_from_the_config():
+    model = build_tiny_causal_lm().eval()
+    ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(input_ids=ids, output_hidden_states=True, output_router_logits=True)
+        some = model(input_ids=ids, output_hidden_states=[0, -1])
+        model.config.output_hidden_states = True
+        from_config = model(input_ids=ids)
+    config = model.config
+    assert len(full.router_logits) == config.num_hidden_layers
+    assert full.router_logits[0].shape == (2 * 5, config.n_routed_experts) and some.router_logits is None
+    assert len(full.hidden_states) == len(some.hidden_states) == config.num_hidden_layers + 1
+    assert all(state is None for state in some.hidden_states[1:-1])
+    for index in (0, -1):
+        torch.testing.assert_close(some.hidden_states[index], full.hidden_states[index])
+    torch.testing.assert_close(from_config.hidden_states[3], full.hidden_states[3])
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])

@@ -1,11 +1,12 @@
 """Checks that `from_pretrained` runs on what it loaded, so that a broken checkpoint fails loudly, naming the tensor,
 instead of producing NaN logits or a mostly random model.
 
-- `raise_on_unconverted_load`: most of the model's tensors missing means the checkpoint's names did not convert (a
-  layout this package does not read); a few missing or unexpected tensors are reported and initialized, as
-  transformers does (a base-model checkpoint in a model with a head, a checkpoint without `lm_head.weight`).
+- `raise_on_unconverted_load`: most of the model's tensors missing while the checkpoint holds tensors under names we
+  do not know means its names did not convert (a layout this package does not read); missing tensors alone are
+  reported and initialized, as transformers does (a base-model checkpoint in a model with a head, a checkpoint
+  without `lm_head.weight`, one that holds none of the model's tensors).
 - `raise_on_non_float_tensors`: the safetensors headers say every tensor's dtype; a weight stored as integers would
-  be cast to the model's dtype without a word.
+  be cast to the model's dtype without a word (tensors the model does not load are left alone).
 - `raise_on_non_finite_weights`: NaN or infinite values in any floating weight (a corrupt download or export).
 """
 
@@ -60,10 +61,12 @@ def listing(keys, limit: int = 10) -> str:
 
 
 def raise_on_unconverted_load(model: torch.nn.Module, loading_info: dict) -> None:
-    """An error when more than half of the model's tensors are missing: the checkpoint's names did not convert."""
+    """An error when more than half of the model's tensors are missing and the checkpoint holds tensors under unknown
+    names, at least a quarter as many (a layout may fuse a few, e.g. q/k/v): the model's weights are there under
+    names that did not convert. Missing tensors without such names are the checkpoint simply lacking them."""
     missing, unexpected = loading_info.get("missing_keys") or set(), loading_info.get("unexpected_keys") or set()
     expected = len(model.state_dict())
-    if len(missing) * 2 <= expected:
+    if len(missing) * 2 <= expected or len(unexpected) * 4 < len(missing):
         return
     raise ValueError(
         f"The checkpoint does not match {type(model).__name__}: {len(missing)} of its {expected} tensors are missing "
@@ -74,8 +77,9 @@ def raise_on_unconverted_load(model: torch.nn.Module, loading_info: dict) -> Non
     )
 
 
-def raise_on_non_float_tensors(model: torch.nn.Module, checkpoint, revision: str | None = None) -> None:
-    """Every stored tensor is floating point (routed experts may also be packed bytes)."""
+def raise_on_non_float_tensors(model: torch.nn.Module, checkpoint, revision: str | None = None, unexpected=()) -> None:
+    """Every stored tensor the model loads is floating point (routed experts may also be packed bytes); `unexpected`
+    names the checkpoint's tensors it does not load."""
     if checkpoint is None:
         return
     try:
@@ -83,6 +87,8 @@ def raise_on_non_float_tensors(model: torch.nn.Module, checkpoint, revision: str
     except OSError:  # a Hub id whose headers cannot be read here: the weights were read, nothing more to learn
         return
     for name, dtype, _ in headers:
+        if name in unexpected:
+            continue
         allowed = FLOAT_DTYPES | (PACKED_DTYPES if PACKED_TENSORS in name else set())
         if dtype not in allowed:
             raise ValueError(

@@ -1,5 +1,6 @@
 """The multimodal Inkling2: image features from the ViT replace the `<|unused_200054|>` placeholder tokens, then
-the text decoder runs as usual.
+the text decoder runs as usual (its routed experts are transformers `@use_experts_implementation` experts: the
+multimodal heads record and return their `router_logits` too).
 
 `Inkling2Model` is the ViT plus the text decoder; `Inkling2ForConditionalGeneration` adds the language-model head
 and generate(). Images are encoded once, in the prefill; generate() drops them from later steps.
@@ -10,24 +11,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import GenerationMixin
-from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPooling, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple
 
 from ..cache.dynamic import Inkling2Cache
 from ..configuration_inkling2 import Inkling2Config
-from .modeling_inkling2_text import Inkling2LanguageModelingMixin, Inkling2PreTrainedModel, Inkling2TextModel
+from .modeling_inkling2_text import (
+    Inkling2LanguageModelingMixin,
+    Inkling2PreTrainedModel,
+    Inkling2TextModel,
+    output_switches,
+)
 from .modeling_inkling2_vision import Inkling2VisionModel
 
 
 @dataclass
-class Inkling2ModelOutputWithPast(BaseModelOutputWithPast):
+class Inkling2ModelOutputWithPast(MoeModelOutputWithPast):
     """`image_hidden_states`: the image features that replaced the placeholders, [image tokens, hidden]."""
 
     image_hidden_states: torch.Tensor | None = None
 
 
 @dataclass
-class Inkling2CausalLMOutputWithPast(CausalLMOutputWithPast):
+class Inkling2CausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     image_hidden_states: torch.Tensor | None = None
 
 
@@ -47,17 +53,13 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
 
     @can_return_tuple
     def get_image_features(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor, output_hidden_states: bool | None = None
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor, **kwargs
     ) -> BaseModelOutputWithPooling:
         """The ViT's outputs for these images, as transformers' vision-language models return them: `pooler_output`
         holds each image's features (`[its image tokens, text hidden]`, one per placeholder token), `hidden_states`
-        the ViT's layers when asked; `return_dict=False` gives the tuple."""
-        outputs = self.vision_tower(
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-        )
+        and `attentions` the ViT's layers when asked (`output_hidden_states`, `output_attentions`, or the vision
+        config's); `return_dict=False` gives the tuple."""
+        outputs = self.vision_tower(pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs, return_dict=True)
         outputs.pooler_output = outputs.pooler_output.split(image_grid_thw.prod(-1).tolist())
         return outputs
 
@@ -118,17 +120,17 @@ class Inkling2Model(Inkling2MultimodalPreTrainedModel):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_hidden_states=kwargs.get("output_hidden_states"),
-            output_attentions=kwargs.get("output_attentions"),
             prefill_chunk_size=kwargs.get("prefill_chunk_size"),
             cache_position=kwargs.get("cache_position"),
             return_dict=True,
+            **output_switches(kwargs),
         )
         return Inkling2ModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
             image_hidden_states=image_features,
         )
 
@@ -174,11 +176,10 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_hidden_states=kwargs.pop("output_hidden_states", None),
-            output_attentions=kwargs.pop("output_attentions", None),
             prefill_chunk_size=kwargs.pop("prefill_chunk_size", None),
             cache_position=kwargs.pop("cache_position", None),
             return_dict=True,
+            **output_switches(kwargs),
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
         return Inkling2CausalLMOutputWithPast(
@@ -187,6 +188,7 @@ class Inkling2ForConditionalGeneration(Inkling2LanguageModelingMixin, Inkling2Mu
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
             image_hidden_states=outputs.image_hidden_states,
         )
 

@@ -1,5 +1,6 @@
-"""The Inkling2 text decoder, read top to bottom: norms and clips, short convolutions, attention, the MoE,
-block attention residuals, the decoder layer, the base model and the causal-LM head.
+"""The Inkling2 text decoder, read top to bottom: norms and clips, short convolutions, attention, the MoE (whose
+routed experts, in `experts.py`, are transformers `@use_experts_implementation` experts), block attention residuals,
+the decoder layer, the base model and the causal-LM head.
 
 This is the plain reference implementation: every step in the precision the original runs it in (fp32 for norms,
 convolutions, routing, attention-residual mixing and logits). Faster paths plug in through the registries of
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..cache.common import (
     K_CONV,
@@ -216,10 +218,10 @@ class Inkling2Attention(nn.Module):
         query_positions: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Inkling2Cache | None,
-        attentions: list | None = None,
-    ) -> torch.Tensor:
-        """`attentions`, a list when the caller wants the attention probabilities (`output_attentions`): this call
-        then runs the eager reference, the one backend that materializes them, and appends them."""
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, attention probabilities or None). With `output_attentions` this call runs the eager reference, the
+        one backend that materializes the probabilities (transformers' `capture_outputs` records them from here)."""
         batch, length, _ = query_input.shape
         dtype = query_input.dtype
         token_mask = None if attention_mask is None else attention_mask[:, -length:]
@@ -248,10 +250,11 @@ class Inkling2Attention(nn.Module):
             keys, values, key_positions, key_padding, in_order = cache.attention_keys(
                 self.layer_idx, keys, values, query_positions, attention_mask
             )
-        if attentions is None:
+        probabilities = [] if output_attentions else None
+        if probabilities is None:
             attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
         else:
-            attention = functools.partial(eager_attention, probabilities_out=attentions)
+            attention = functools.partial(eager_attention, probabilities_out=probabilities)
         output = attention(
             queries,
             keys,
@@ -265,7 +268,7 @@ class Inkling2Attention(nn.Module):
             scaling=self.scaling,
         )
         output = output.reshape(batch, length, -1).float() * torch.sigmoid(self.gate_proj(query_input).float())
-        return self.o_proj(output.to(dtype))
+        return self.o_proj(output.to(dtype)), probabilities[0] if probabilities else None
 
 
 # --- mixture of experts -------------------------------------------------------------------------------------------
@@ -317,18 +320,24 @@ class Inkling2SparseMoeBlock(nn.Module):
 # --- block attention residuals ------------------------------------------------------------------------------------
 
 
+def with_block(blocks: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+    """The blocks [batch, T, n, hidden] (fp32, RMS-normalized) followed by `partial`, RMS-normalized in fp32."""
+    return torch.cat([blocks, rms_normalize(partial, 1e-6)[..., None, :]], dim=-2)
+
+
 class Inkling2BlockAttentionResidual(nn.Module):
     """Replaces a residual connection: learned queries attend (softmax over blocks, scale 1/sqrt(hidden)) over the
     RMS-normalized stack [completed blocks..., current partial block]. In fp32; one output per query. The completed
-    blocks arrive already normalized (fp32): they never change, and every later mix reads them."""
+    blocks arrive already normalized (fp32, one tensor [batch, T, blocks, hidden]): they never change, and every
+    later mix reads them."""
 
     def __init__(self, config: Inkling2TextConfig, num_queries: int = 1):
         super().__init__()
         shape = (config.hidden_size,) if num_queries == 1 else (num_queries, config.hidden_size)
         self.query = nn.Parameter(torch.zeros(shape))
 
-    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        stack = torch.stack([*blocks, rms_normalize(partial, 1e-6)], dim=-2)
+    def forward(self, blocks: torch.Tensor, partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stack = with_block(blocks, partial)
         queries = self.query.float().view(-1, stack.shape[-1])
         weights = torch.softmax(torch.einsum("qh,btnh->btqn", queries, stack) / math.sqrt(stack.shape[-1]), -1)
         return torch.einsum("btqn,btnh->btqh", weights, stack).unbind(-2)
@@ -340,10 +349,11 @@ class Inkling2BlockAttentionResidual(nn.Module):
 class Inkling2DecoderLayer(GradientCheckpointingLayer):
     """Attention, then the MoE, each behind a block attention residual and followed by a short convolution.
 
-    The stream is a list of completed blocks (the embedding, then one per `n_layers_per_attn_res_block` layers) and
-    a partial block, the sum of the sublayer outputs since the last boundary. A layer that opens a block moves the
-    partial block into the list (RMS-normalized once, in fp32, as every mix reads it) and restarts it from its
-    attention output.
+    The stream is the completed blocks (the embedding, then one per `n_layers_per_attn_res_block` layers), stacked
+    in one tensor, and a partial block, the sum of the sublayer outputs since the last boundary. A layer that opens a
+    block appends the partial block to the stack (RMS-normalized once, in fp32, as every mix reads it) and restarts
+    it from its attention output. Both travel as positional tensors, so that reentrant checkpointing
+    (`use_reentrant=True`) carries their gradients too.
     """
 
     def __init__(self, config: Inkling2TextConfig, layer_idx: int):
@@ -370,7 +380,9 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
             config.hidden_size, config.conv_kernel_size, layer_idx, POST_MLP_CONV
         )
 
-    def forward(self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None, attentions=None):
+    def forward(
+        self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None, output_attentions=False
+    ):
         dtype = partial.dtype
         inputs = (partial,) if self.attention_input is None else self.attention_input(blocks, partial)
         if self.is_sliding:
@@ -379,15 +391,15 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
             inputs = inputs * 3 if len(inputs) == 1 else inputs
             norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
             query_input, key_input, value_input = (norm(x).to(dtype) for norm, x in zip(norms, inputs))
-        attention_output = self.self_attn(
-            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache, attentions
+        attention_output, _ = self.self_attn(
+            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache, output_attentions
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
         attention_output = self.post_attention_convolution(attention_output, token_mask, cache, query_positions)
         attention_output = attention_output.float()
 
         if self.opens_block:
-            blocks = [*blocks, rms_normalize(partial, 1e-6)]
+            blocks = with_block(blocks, partial)
             partial = attention_output
         else:
             partial = partial.float() + attention_output
@@ -402,6 +414,16 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
 
 
 DTYPE_KWARGS = ("dtype", "torch_dtype")  # `torch_dtype`: the older name, still accepted
+OUTPUT_SWITCHES = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def output_switches(kwargs: dict) -> dict:
+    """The `output_*` switches a head was given and passes on to its base model: one left out or None falls back to
+    the config there (transformers' `capture_outputs` reads a given None as off)."""
+    switches = {name: kwargs.pop(name, None) for name in OUTPUT_SWITCHES}
+    return {name: value for name, value in switches.items() if value is not None}
+
+
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
@@ -429,9 +451,18 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         "final_input",
     ]
 
+    # what transformers' `capture_outputs` records (`output_hidden_states`, `output_attentions`,
+    # `output_router_logits`): each layer's output (its partial block), each attention's probabilities, each router's
+    # logits
+    _can_record_outputs = {
+        "hidden_states": Inkling2DecoderLayer,
+        "attentions": Inkling2Attention,
+        "router_logits": OutputRecorder(Inkling2TopKRouter, index=0),
+    }
+
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        """Our experts read `config._experts_implementation` ("grouped_mm" by default, or "eager")."""
+        """Our experts read `config._experts_implementation` ("grouped_mm" by default, "batched_mm" or "eager")."""
         return True
 
     @classmethod
@@ -458,7 +489,7 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         initialized), with the steps registered in `interfaces.LOADING_HOOKS` (the experts' storage read from the
         tensor headers before the model is built, the bundled drafter, scale checks) and three checks that fail
         loudly, naming the tensor (`loading_checks`): a checkpoint whose names did not convert (most of the model
-        missing; `allow_incomplete_checkpoint=True` loads it anyway), a weight stored as integers, and NaN or
+        missing, tensors under unknown names instead; `allow_incomplete_checkpoint=True` loads it anyway), a weight stored as integers, and NaN or
         infinite weights (`check_finite_weights=False` skips that one; see docs/loading.md for its cost)."""
         checkpoint, revision = pretrained_model_name_or_path, kwargs.get("revision")
         return_info = kwargs.pop("output_loading_info", False)
@@ -477,7 +508,7 @@ class Inkling2PreTrainedModel(PreTrainedModel):
             finish_loading(model, checkpoint, revision, info)
         if not allow_incomplete_checkpoint:
             raise_on_unconverted_load(model, info)
-        raise_on_non_float_tensors(model, checkpoint, revision)
+        raise_on_non_float_tensors(model, checkpoint, revision, unexpected=info.get("unexpected_keys") or ())
         if check_finite_weights:
             raise_on_non_finite_weights(model)
         return (model, info) if return_info else model
@@ -496,15 +527,10 @@ class Inkling2PreTrainedModel(PreTrainedModel):
     def activation_checkpointing_enable(
         self, activation_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1, offload: bool = False
     ):
-        """transformers' activation (gradient) checkpointing, non-reentrant by default here: the attention-residual
-        blocks travel between layers as a list of tensors, which reentrant checkpointing does not track.
-        `gradient_checkpointing_enable(...)` and `Trainer(gradient_checkpointing=True)` arrive here too."""
+        """transformers' activation (gradient) checkpointing, non-reentrant unless `use_reentrant=True` is asked for
+        (also when the kwargs name neither, as Trainer's `{}` does). `gradient_checkpointing_enable(...)` and
+        `Trainer(gradient_checkpointing=True)` arrive here too."""
         kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
-        if kwargs["use_reentrant"]:
-            raise ValueError(
-                "Inkling2 supports non-reentrant gradient checkpointing only (its decoder layers pass the attention-"
-                "residual blocks as a list); drop `use_reentrant=True`."
-            )
         super().activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
 
     @torch.no_grad()
@@ -544,7 +570,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @can_return_tuple
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -556,14 +582,17 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         prefill_chunk_size: int | None = None,
         cache_position: torch.LongTensor | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> MoeModelOutputWithPast:
         """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
         `prefill_chunk_size` runs a long input through the layers in chunks of that many tokens, carrying the
-        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`).
+        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`);
+        without it a long input picks its chunk from the free memory (`automatic_prefill_chunk`).
         `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
         `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
         block, the stream that speculative drafters tap), the last one after the final readout and norm, as
-        transformers models do. `cache_position` ([new tokens]) gives the new tokens' stream positions on the device
+        transformers models do (`capture_outputs` records them, a list of indices selects some);
+        `output_attentions=True` each layer's attention probabilities, `output_router_logits=True` each router's
+        logits [tokens, experts]. `cache_position` ([new tokens]) gives the new tokens' stream positions on the device
         (default: right after the cached tokens), which a captured decode step reads instead of a host count; with an
         `Inkling2StaticCache`, `attention_mask` may then hold just the new tokens' columns."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -585,6 +614,8 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
 
         batch, length, _ = inputs_embeds.shape
+        if prefill_chunk_size is None:
+            prefill_chunk_size = self.automatic_prefill_chunk(inputs_embeds, past_key_values, **kwargs)
         if prefill_chunk_size is not None and length > prefill_chunk_size:
             return self.prefill_in_chunks(
                 inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
@@ -603,9 +634,9 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
 
         output_attentions = kwargs.get("output_attentions")
-        attentions = [] if (self.config.output_attentions if output_attentions is None else output_attentions) else None
-        partial, blocks = inputs_embeds, []
-        layer_outputs = [inputs_embeds]
+        output_attentions = bool(self.config.output_attentions if output_attentions is None else output_attentions)
+        partial = inputs_embeds
+        blocks = inputs_embeds.new_zeros((batch, length, 0, inputs_embeds.shape[-1]), dtype=torch.float32)
         for layer in self.layers:
             partial, blocks = layer(
                 partial,
@@ -614,19 +645,24 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 query_positions=query_positions,
                 attention_mask=attention_mask,
                 cache=past_key_values,
-                attentions=attentions,
+                output_attentions=output_attentions,
             )
-            layer_outputs.append(partial)
         hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
-        output_hidden_states = kwargs.get("output_hidden_states")
-        if output_hidden_states is None:
-            output_hidden_states = self.config.output_hidden_states
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-            hidden_states=(*layer_outputs[:-1], hidden_states) if output_hidden_states else None,
-            attentions=None if attentions is None else tuple(attentions),
-        )
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def automatic_prefill_chunk(self, inputs_embeds, cache, **kwargs) -> int | None:
+        """The chunk a long input runs in when the caller gives no `prefill_chunk_size`: the largest whose activations
+        fit the free memory (`activation_memory`); None for short inputs, in training with gradients, and when every
+        layer's hidden states or attentions are asked for (those need the whole input at once)."""
+        batch, length, _ = inputs_embeds.shape
+        wants_all = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+        training = self.training and torch.is_grad_enabled()
+        if length <= CHUNK_GRANULE or wants_all or training or torch.compiler.is_compiling():
+            return None
+        device = inputs_embeds.device
+        past_length = 0 if cache is None else cache.get_seq_length()
+        materializes_scores = device.type != "cuda" or self.config._attn_implementation in (None, "eager")
+        return automatic_prefill_chunk(self.config, batch, length, past_length, device, materializes_scores)
 
     def prefill_in_chunks(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, chunk_size, **kwargs):
         """Consecutive slices of the input through the model with one cache: everything in the model is causal, so
@@ -649,7 +685,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 return_dict=True,
             )
             hidden_states.append(output.last_hidden_state)
-        return BaseModelOutputWithPast(
+        return MoeModelOutputWithPast(
             last_hidden_state=torch.cat(hidden_states, dim=1), past_key_values=cache if use_cache is not False else None
         )
 
@@ -807,12 +843,12 @@ class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        output_hidden_states: bool | None = None,
-        output_attentions: bool | None = None,
         prefill_chunk_size: int | None = None,
         cache_position: torch.LongTensor | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> MoeCausalLMOutputWithPast:
+        """`output_hidden_states`, `output_attentions` and `output_router_logits` (each MoE layer's router logits) go
+        to the base model; no auxiliary load-balancing loss is computed (`aux_loss` stays None)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -820,19 +856,19 @@ class Inkling2ForCausalLM(Inkling2LanguageModelingMixin, Inkling2PreTrainedModel
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
             prefill_chunk_size=prefill_chunk_size,
             cache_position=cache_position,
             return_dict=True,
+            **output_switches(kwargs),
         )
         logits, loss = self.logits_and_loss(outputs.last_hidden_state, logits_to_keep, labels, **kwargs)
-        return CausalLMOutputWithPast(
+        return MoeCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
         )
 
 

@@ -26,6 +26,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.output_capturing import capture_outputs
 
 from ..configuration_inkling2 import Inkling2VisionConfig
 
@@ -235,7 +236,10 @@ class Inkling2VisionAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         seq_lengths: list[int],
-    ) -> torch.Tensor:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """(output, each image's attention probabilities [1, heads, n, n] or None). With `output_attentions` this call
+        runs the eager reference, which materializes them."""
         seq = hidden_states.shape[0]
         shape = (seq, self.num_heads, self.head_dim)
         query = self.q_proj(hidden_states).view(shape)
@@ -244,15 +248,19 @@ class Inkling2VisionAttention(nn.Module):
         cos, sin = position_embeddings
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_vision_attention)
+        if output_attentions:
+            attention = eager_vision_attention
+        else:
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_vision_attention)
         dropout = self.config.attention_dropout if self.training else 0.0
-        outputs = []
+        outputs, probabilities = [], []
         for q, k, v in zip(*(t.split(seq_lengths) for t in (query, key, value)), strict=True):
             # [n, heads, dim] -> [1, heads, n, dim]
             q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-            out, _ = attention(self, q, k, v, None, scaling=self.scaling, dropout=dropout, is_causal=False)
+            out, image_probabilities = attention(self, q, k, v, None, scaling=self.scaling, dropout=dropout, is_causal=False)
             outputs.append(out[0])
-        return self.out_proj(torch.cat(outputs).reshape(seq, -1))
+            probabilities.append(image_probabilities)
+        return self.out_proj(torch.cat(outputs).reshape(seq, -1)), tuple(probabilities) if output_attentions else None
 
 
 class Inkling2VisionMLP(nn.Module):
@@ -283,8 +291,10 @@ class Inkling2VisionEncoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         seq_lengths: list[int],
+        output_attentions: bool = False,
     ) -> torch.Tensor:
-        attended = self.self_attn(self.layernorm_before(hidden_states), position_embeddings, seq_lengths)
+        normed = self.layernorm_before(hidden_states)
+        attended, _ = self.self_attn(normed, position_embeddings, seq_lengths, output_attentions)
         hidden_states = hidden_states + self.lambda_1 * attended
         return hidden_states + self.lambda_2 * self.mlp(self.layernorm_after(hidden_states))
 
@@ -317,6 +327,8 @@ class Inkling2VisionPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["Inkling2VisionEncoderLayer"]
     _supports_sdpa = True
+    # what transformers' `capture_outputs` records: each layer's output, each attention's per-image probabilities
+    _can_record_outputs = {"hidden_states": Inkling2VisionEncoderLayer, "attentions": Inkling2VisionAttention}
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
@@ -377,13 +389,8 @@ class Inkling2VisionModel(Inkling2VisionPreTrainedModel):
             )
         return sizes
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        image_grid_thw: torch.Tensor,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-    ) -> BaseModelOutputWithPooling | tuple:
+    @capture_outputs
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, **kwargs) -> BaseModelOutputWithPooling:
         r"""
         pixel_values (`torch.Tensor` of shape `(image tokens, 40, 40, 3)`):
             One pixel block per text image token, images one after another, tokens in raster order.
@@ -393,12 +400,11 @@ class Inkling2VisionModel(Inkling2VisionPreTrainedModel):
         Returns `last_hidden_state` (`[sum(1 + 4 * rows * cols), hidden]`: each image's class token then its
         patches), `pooler_output` (`[image tokens, text_hidden_size]`, the features that replace the image
         placeholder tokens, in order) and, if asked, `hidden_states` (the input of the first layer and the output
-        of every layer).
+        of every layer) and `attentions` (per layer, each image's probabilities); transformers' `capture_outputs`
+        records them and gives the tuple for `return_dict=False`.
         """
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        output_attentions = kwargs.get("output_attentions")
+        output_attentions = bool(self.config.output_attentions if output_attentions is None else output_attentions)
         sizes = self.token_grids(pixel_values, image_grid_thw)
         merge = self.config.spatial_merge_size
         seq_lengths = [1 + rows * cols * merge**2 for rows, cols in sizes]
@@ -413,11 +419,8 @@ class Inkling2VisionModel(Inkling2VisionPreTrainedModel):
         pos_cols = torch.cat([t for _, c in coordinates for t in (zero, c + 1)])
         position_embeddings = self.rotary_emb(pos_rows, pos_cols)
 
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, seq_lengths)
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+            hidden_states = layer(hidden_states, position_embeddings, seq_lengths, output_attentions=output_attentions)
 
         is_patch = torch.ones(hidden_states.shape[0], dtype=torch.bool, device=device)
         class_positions = torch.tensor([0] + seq_lengths[:-1], device=device).cumsum(0)
@@ -425,10 +428,7 @@ class Inkling2VisionModel(Inkling2VisionPreTrainedModel):
         patches = hidden_states[is_patch]
         pooler_output = self.merger(patches.reshape(-1, merge**2 * patches.shape[-1]))
 
-        output = BaseModelOutputWithPooling(
-            last_hidden_state=hidden_states, pooler_output=pooler_output, hidden_states=all_hidden_states
-        )
-        return output if return_dict else output.to_tuple()
+        return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooler_output)
 
 
 __all__ = ["Inkling2VisionModel", "Inkling2VisionPreTrainedModel", "vision_checkpoint_renames"]

@@ -29,7 +29,7 @@ IMPOSSIBLE = {
              "mlp_up_softcap", "final_logit_softcapping"),
             SCALE,
         ),  # fmt: skip
-        "unpadded_vocab_size": (0, -1, 201025),
+        "unpadded_vocab_size": (0, -1),  # above vocab_size: every row is a real token
         "log_scaling_alpha": NON_NEGATIVE,
         "attention_dropout": PROBABILITY,
         "initializer_range": NON_NEGATIVE,
@@ -97,3 +97,13 @@ def test_the_edges_of_the_possible_values_are_accepted():
     Inkling2VisionConfig(attention_dropout=0, layer_scale_init_value=-0.1, initializer_range=0.0)
     Inkling2DSparkConfig(mask_token_id=0, target_layer_ids=[0])
     Inkling2Config(image_token_id=0)
+
+
+def test_a_smaller_vocabulary_over_a_saved_config_keeps_the_saved_real_vocabulary(tmp_path):
+    """transformers' sub-config override (`text_config={"vocab_size": n}`) changes that field only: a real vocabulary
+    above the rows means every row is a real token; a real vocabulary of 0 stays an error naming the field."""
+    Inkling2Config(text_config={"vocab_size": 99, "unpadded_vocab_size": 99}, image_token_id=3).save_pretrained(tmp_path)
+    config = Inkling2Config.from_pretrained(tmp_path, text_config={"vocab_size": 20})
+    assert (config.text_config.vocab_size, config.text_config.unpadded_vocab_size) == (20, 99)
+    with pytest.raises(StrictDataclassError, match="unpadded_vocab_size"):
+        Inkling2TextConfig(vocab_size=20, unpadded_vocab_size=0)

@@ -79,8 +79,9 @@ DSPARK_NUMBER_RULES = {
     "initializer_range": NON_NEGATIVE,
 }
 POSITIVE_TEXT_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "sliding_window_size", "d_rel",
+    "vocab_size", "unpadded_vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
+    "sliding_window_size", "d_rel",
     "rel_extent", "log_scaling_n_floor", "max_position_embeddings", "rms_norm_eps", "conv_kernel_size",
     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "route_scale", "qk_l2_clip_threshold",
     "rel_l2_clip_threshold", "n_layers_per_attn_res_block", "mlp_gate_softcap", "mlp_up_softcap",
@@ -195,7 +196,9 @@ class Inkling2TextConfig(PreTrainedConfig):
 
     Args:
         vocab_size (`int`, defaults to 201024): rows of the embedding and unembedding matrices (padded).
-        unpadded_vocab_size (`int`, defaults to 200058): rows that hold real tokens; logits are sliced to it.
+        unpadded_vocab_size (`int`, defaults to 200058): rows that hold real tokens; logits are sliced to it. At or
+            above `vocab_size` every row is a real token (as after `from_pretrained(path, text_config={"vocab_size":
+            n})` with a smaller vocabulary: transformers keeps the other saved fields as they are).
         hidden_size (`int`, defaults to 4608): width of the residual stream.
         num_hidden_layers (`int`, defaults to 48): decoder layers.
         num_attention_heads / num_key_value_heads / head_dim: attention shape of the full-attention layers.
@@ -309,10 +312,6 @@ class Inkling2TextConfig(PreTrainedConfig):
             raise ValueError(
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) cannot exceed `n_routed_experts` "
                 f"({self.n_routed_experts})."
-            )
-        if not 0 < self.unpadded_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"`unpadded_vocab_size` ({self.unpadded_vocab_size}) must be in (0, vocab_size={self.vocab_size}]."
             )
         if self.scoring_func != "sigmoid":
             raise ValueError(f"Inkling2 routers score experts with a sigmoid, got `scoring_func={self.scoring_func!r}`.")

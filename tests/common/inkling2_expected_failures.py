@@ -10,61 +10,33 @@ HALF_ON_CPU = (
     "RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::Half / BFloat16 (a float32 "
     "operand meets half-precision weights in the built-in's MoE on CPU)"
 )
-ALL_MISSING = (
-    "from_pretrained of a checkpoint holding none of the model's tensors raises 'ValueError: The checkpoint does not "
-    "match {cls}: N of its N tensors are missing' (loading_checks.raise_on_unconverted_load), where transformers "
-    "loads, lists them in missing_keys and initializes them"
-)
 
 # text model and multimodal model alike
-_OURS_SHARED = {
-    "test_capture_outputs_decorator": (
-        "the suite skips it ('No usage of the capture_outputs decorator'): our models declare no "
-        "_can_record_outputs; the built-in records hidden states, attentions and router logits with them"
-    ),
-    "test_moe_models_record_router_logits": (
-        "the suite skips it ('This model has no sparse experts'): our modeling module has no "
-        "@use_experts_implementation experts (the built-in's Inkling2Experts is one)"
-    ),
-    "test_training_gradient_checkpointing_use_reentrant_true": (
-        "activation_checkpointing_enable raises ValueError for use_reentrant=True (non-reentrant only: the "
-        "attention-residual blocks travel between layers as a list); the built-in trains with it"
-    ),
-}
+_OURS_SHARED = {}
 
 OURS_TEXT_MODEL = {
     **_OURS_SHARED,
-    "test_can_init_all_missing_weights": ALL_MISSING.format(cls="Inkling2TextModel"),
-    "test_model_weights_reload_no_missing_tied_weights": ALL_MISSING.format(cls="Inkling2TextModel"),
     "test_reverse_loading_mapping": (
-        "our `mlp\\.experts\\.w13_weight_scale` -> `gate_up_proj_scale` conversion pattern matches no key of an "
-        "unquantized model (the built-in fails alike on its `..._scale_inv` one)"
+        "our conversion patterns are registered per model type, so every class gets all of them: "
+        "`mlp\\.experts\\.w13_weight_scale` -> `gate_up_proj_scale` (quantized checkpoints only) matches no key of an "
+        "unquantized model, and `model\\.llm\\.unembed\\.weight` -> `lm_head.weight` none of Inkling2TextModel (the "
+        "built-in fails alike on its `..._scale_inv` one). Not fixed yet: per-class mappings would drop the head's "
+        "renaming from the base classes, but the scale patterns must stay while a checkpoint may be quantized "
+        "(the patterns are anchored, `w13_weight(?!\\w)`, so the unscaled one cannot serve both)"
     ),
 }
 
 OURS_MODEL = {
     **_OURS_SHARED,
-    "test_can_init_all_missing_weights": ALL_MISSING.format(cls="Inkling2Model"),
-    "test_model_weights_reload_no_missing_tied_weights": ALL_MISSING.format(cls="Inkling2Model"),
-    "test_can_capture_specific_layers_hidden_states": (
-        "the suite skips it ('Cannot capture hidden states ...'): our models declare no _can_record_outputs "
-        "recorders, so no layer's hidden states can be captured by index"
-    ),
-    "test_config": (
-        "Inkling2Config.from_pretrained(dir, text_config={'vocab_size': 20}) over a saved unpadded_vocab_size=99: "
-        "our validate_architecture refuses unpadded_vocab_size > vocab_size (the built-in does not check)"
-    ),
-    "test_get_image_features_attentions": (
-        "TypeError: Inkling2Model.get_image_features() got an unexpected keyword argument 'output_attentions' (the "
-        "built-in passes its kwargs on to the ViT, which records attentions)"
-    ),
     "test_vision_axial_rope": (
         "the suite skips it ('has no axial RoPE layer defined'): our ViT's rotary embedding has no "
-        "compute_axial_rope_parameters (transformers' axial RoPE, set from vision_config.rope_parameters)"
+        "compute_axial_rope_parameters (transformers' axial RoPE, set from vision_config.rope_parameters); not done "
+        "yet, out of time"
     ),
     "test_reverse_loading_mapping": (
-        "Inkling2Model: our `model\\.llm\\.unembed\\.weight` -> `lm_head.weight` renaming matches no key of a model "
-        "without lm_head (the built-in fails too, on `vision_tower\\.embeddings\\.position_embedding`)"
+        "Inkling2Model: our `model\\.llm\\.unembed\\.weight` -> `lm_head.weight` renaming, registered for the model "
+        "type, matches no key of a model without lm_head (the built-in fails too, on "
+        "`vision_tower\\.embeddings\\.position_embedding`); a per-class registration would fix it, not done yet"
     ),
 }
 

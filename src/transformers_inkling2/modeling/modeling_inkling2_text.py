@@ -585,8 +585,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
     ) -> MoeModelOutputWithPast:
         """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
         `prefill_chunk_size` runs a long input through the layers in chunks of that many tokens, carrying the
-        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`);
-        without it a long input picks its chunk from the free memory (`automatic_prefill_chunk`).
+        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`).
         `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
         `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
         block, the stream that speculative drafters tap), the last one after the final readout and norm, as
@@ -614,8 +613,6 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
 
         batch, length, _ = inputs_embeds.shape
-        if prefill_chunk_size is None:
-            prefill_chunk_size = self.automatic_prefill_chunk(inputs_embeds, past_key_values, **kwargs)
         if prefill_chunk_size is not None and length > prefill_chunk_size:
             return self.prefill_in_chunks(
                 inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
@@ -649,20 +646,6 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
         hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
-
-    def automatic_prefill_chunk(self, inputs_embeds, cache, **kwargs) -> int | None:
-        """The chunk a long input runs in when the caller gives no `prefill_chunk_size`: the largest whose activations
-        fit the free memory (`activation_memory`); None for short inputs, in training with gradients, and when every
-        layer's hidden states or attentions are asked for (those need the whole input at once)."""
-        batch, length, _ = inputs_embeds.shape
-        wants_all = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-        training = self.training and torch.is_grad_enabled()
-        if length <= CHUNK_GRANULE or wants_all or training or torch.compiler.is_compiling():
-            return None
-        device = inputs_embeds.device
-        past_length = 0 if cache is None else cache.get_seq_length()
-        materializes_scores = device.type != "cuda" or self.config._attn_implementation in (None, "eager")
-        return automatic_prefill_chunk(self.config, batch, length, past_length, device, materializes_scores)
 
     def prefill_in_chunks(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, chunk_size, **kwargs):
         """Consecutive slices of the input through the model with one cache: everything in the model is causal, so

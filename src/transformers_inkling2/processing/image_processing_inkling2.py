@@ -56,7 +56,7 @@ class Inkling2ImageProcessorKwargs(ImagesKwargs, total=False):
         Pixel budget per image, counted on the padded canvas (a whole number of 40x40 cells), so an image yields at
         most `max_pixels // 1600` image tokens. Larger images are downscaled (aspect ratio kept, bicubic with
         antialiasing); images within the budget are never changed. `None` (default) never resizes, like the
-        reference processor: a 4000x3000 photo then costs 7500 image tokens.
+        reference processor: a 4000x3000 photo then costs 7575 image tokens.
     """
 
     max_pixels: int | None

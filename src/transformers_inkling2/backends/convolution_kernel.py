@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .convolution import MAX_KERNEL_SIZE
 
 # Measured on an H200 (bf16 x, 4,608 channels; fastest of 20 shapes from 4 x 512 to 128 x 64 tokens x channels, 2 to 8
 # warps): 92 us at 8k tokens, 1.29 ms at 131k, 86-87% of a plain copy's bandwidth counting each byte once; tiles
@@ -60,11 +59,10 @@ def _short_convolution_kernel(
 # fmt: on
 def short_convolution(context: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, divisor: float) -> torch.Tensor:
     """`short_convolution_sum` in one launch, same arguments: context [batch, C, T + k - 1] fp32 in any layout, x
-    [batch, T, C], weight [C, k] fp32 with k <= MAX_KERNEL_SIZE. Returns a contiguous [batch, T, C] in x's dtype."""
+    [batch, T, C], weight [C, k] fp32 (the taps are unrolled: `convolution.runs_fused` sends at most
+    `MAX_KERNEL_SIZE`). Returns a contiguous [batch, T, C] in x's dtype."""
     batch, length, channels = x.shape
     kernel_size = weight.shape[-1]
-    if not 1 <= kernel_size <= MAX_KERNEL_SIZE:
-        raise ValueError(f"short_convolution takes kernel sizes 1 to {MAX_KERNEL_SIZE}, got {kernel_size}.")
     if context.shape != (batch, channels, length + kernel_size - 1) or weight.shape[0] != channels:
         raise ValueError(
             f"Expected context [batch, C, T + k - 1] and weight [C, k] for x {tuple(x.shape)}, got "

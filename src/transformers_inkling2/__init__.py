@@ -96,6 +96,7 @@ def _register_fast_paths() -> None:
     register_attention_backend("inkling2_flex", f"{flex}:inkling2_flex_attention")
     register_attention_backend("inkling2_triton", f"{flex}:inkling2_triton_attention")
     register_attention_backend("inkling2_decode", f"{flex}:inkling2_decode_attention")
+    register_attention_backend("inkling2_auto", f"{flex}:inkling2_auto_attention", default=True)
     register_attention_backend("inkling2_flex_decode", f"{flex}:inkling2_flex_decode_attention", keys_in_any_order=False)
     for fmt in ("nvfp4", "mxfp8"):
         EXPERT_STORAGES.register(fmt, f"{_PACKAGE}.quantization.experts:Inkling2QuantizedExperts")

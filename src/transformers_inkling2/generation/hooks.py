@@ -1,7 +1,8 @@
 """What `generate()` adds to transformers' own for Inkling2 models, registered in
 `modeling.interfaces.GENERATION_HOOKS` (the models call these hooks; they never import this folder):
 
-- `"generate"` (`generate_with_dspark`): `dspark=True` decodes with the bundled DSpark drafter (`dspark.py`);
+- `"generate"` (`generate_with_dspark`): the fast path by default on CUDA (`defaults.py`); `dspark=True` decodes
+  with the bundled DSpark drafter (`dspark.py`);
 - `"compiled_call"` (`decode_graphs_call`): the static cache's decode steps replayed as CUDA graphs
   (`decode_graphs.py`), optionally through `torch.compile`.
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 from .decode_graphs import Inkling2DecodeGraphs
+from .defaults import choose_fast_path
 from .dspark import DSparkOptions, dspark_decoding_method
 
 
@@ -23,11 +25,13 @@ def generate_with_dspark(
     dspark_confidence_threshold: float | None = None,
     **kwargs,
 ):
-    """`generate()` as usual (`generate` is transformers' own, bound to the model); `dspark=True` (or `dspark: true`
-    in the generation config) decodes with the bundled DSpark drafter: same output as without it (token for token
-    when greedy, the same distribution when sampling), several tokens per target pass. `draft_sample_method`
+    """`generate()` as usual (`generate` is transformers' own, bound to the model), on the fast path by default on
+    CUDA (`defaults.choose_fast_path`); `dspark=True` (or `dspark: true` in the generation config) decodes with the
+    bundled DSpark drafter: same output as without it (token for token when greedy, the same distribution when
+    sampling), several tokens per target pass. `draft_sample_method`
     ("probabilistic" or "greedy") and `dspark_confidence_threshold` tune the drafts; `return_dict_in_generate=True`
     adds acceptance statistics. See `docs/dspark.md`."""
+    kwargs = choose_fast_path(model, generation_config, kwargs)
     settings = generation_config if generation_config is not None else model.generation_config
     if not (dspark if dspark is not None else getattr(settings, "dspark", False)):
         return generate(inputs, generation_config, *args, **kwargs)

@@ -90,6 +90,12 @@ ATTENTION_BACKENDS.register("eager", eager_attention)
 ANY_ORDER_FALLBACK = "inkling2_decode"
 
 
+def default_attention_backend() -> str:
+    """What a model uses when the caller names no `attn_implementation`: the backend registered with
+    `default=True` (the package registers one that picks the fastest path per call), else the eager reference."""
+    return next((name for name in ATTENTION_BACKENDS if ATTENTION_BACKENDS.traits(name).get("default")), "eager")
+
+
 def get_attention_backend(name: str | None, keys_in_order: bool = True) -> AttentionBackend:
     name = name or "eager"
     if not keys_in_order and not ATTENTION_BACKENDS.traits(name).get("keys_in_any_order", True):
@@ -97,9 +103,12 @@ def get_attention_backend(name: str | None, keys_in_order: bool = True) -> Atten
     return ATTENTION_BACKENDS.get(name)
 
 
-def register_attention_backend(name: str, backend: AttentionBackend | str, keys_in_any_order: bool = True) -> None:
+def register_attention_backend(
+    name: str, backend: AttentionBackend | str, keys_in_any_order: bool = True, default: bool = False
+) -> None:
     """Makes `attn_implementation=name` select `backend` (a function, or `"module:attribute"` imported on first use)
-    in the Inkling2 text layers.
+    in the Inkling2 text layers; `default=True` makes it what models use when no `attn_implementation` is asked for
+    (`default_attention_backend`).
 
     The name is also registered with transformers' `AttentionInterface`: `from_pretrained`, `from_config` and
     `set_attn_implementation` only accept names registered there, and the name also reaches the vision tower of the
@@ -108,5 +117,5 @@ def register_attention_backend(name: str, backend: AttentionBackend | str, keys_
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    ATTENTION_BACKENDS.register(name, backend, keys_in_any_order=keys_in_any_order)
+    ATTENTION_BACKENDS.register(name, backend, keys_in_any_order=keys_in_any_order, default=default)
     AttentionInterface.register(name, sdpa_attention_forward)

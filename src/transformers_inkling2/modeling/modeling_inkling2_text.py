@@ -34,7 +34,8 @@ from ..cache.common import (
 from ..cache.dynamic import Inkling2Cache
 from ..cache.static import Inkling2StaticCache
 from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
-from .attention import eager_attention, get_attention_backend
+from .activation_memory import CHUNK_GRANULE, automatic_prefill_chunk
+from .attention import default_attention_backend, eager_attention, get_attention_backend
 from .experts import Inkling2Experts, softcap
 from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
 from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
@@ -414,6 +415,8 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
 
 
 DTYPE_KWARGS = ("dtype", "torch_dtype")  # `torch_dtype`: the older name, still accepted
+# static caches are made in whole multiples of this many tokens, so that calls with slightly longer prompts reuse one
+STATIC_CACHE_GRANULE = 4096
 OUTPUT_SWITCHES = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 
@@ -469,6 +472,13 @@ class Inkling2PreTrainedModel(PreTrainedModel):
     def _can_set_attn_implementation(cls) -> bool:
         """Our attention reads `config._attn_implementation` at every call (see `interfaces.ATTENTION_BACKENDS`)."""
         return True
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """No `attn_implementation` asked for: the registered default (with the package's backends, the fastest path
+        for each call on CUDA and the eager reference elsewhere); `"eager"` asks for the reference everywhere."""
+        if requested_attention is None:
+            requested_attention = default_attention_backend()
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     def post_init(self):
         super().post_init()
@@ -585,7 +595,8 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
     ) -> MoeModelOutputWithPast:
         """`attention_mask` is the 2-D padding mask over the cached and the new tokens ([batch, past + new]);
         `prefill_chunk_size` runs a long input through the layers in chunks of that many tokens, carrying the
-        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`).
+        cache between them, so that activation memory is bounded by the chunk (same result; see `prefill_in_chunks`);
+        without it a long input picks its chunk from the free memory (`automatic_prefill_chunk`).
         `position_ids` only drive the full layers' log scaling (physical positions drive everything else).
         `output_hidden_states=True` returns the embeddings and every layer's output (its partial attention-residual
         block, the stream that speculative drafters tap), the last one after the final readout and norm, as
@@ -613,6 +624,8 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
 
         batch, length, _ = inputs_embeds.shape
+        if prefill_chunk_size is None:
+            prefill_chunk_size = self.automatic_prefill_chunk(inputs_embeds, past_key_values, **kwargs)
         if prefill_chunk_size is not None and length > prefill_chunk_size:
             return self.prefill_in_chunks(
                 inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
@@ -646,6 +659,20 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             )
         hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def automatic_prefill_chunk(self, inputs_embeds, cache, **kwargs) -> int | None:
+        """The chunk a long input runs in when the caller gives no `prefill_chunk_size`: the largest whose activations
+        fit the free memory (`activation_memory`); None for short inputs, in training with gradients, and when every
+        layer's hidden states or attentions are asked for (those need the whole input at once)."""
+        batch, length, _ = inputs_embeds.shape
+        wants_all = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+        training = self.training and torch.is_grad_enabled()
+        if length <= CHUNK_GRANULE or wants_all or training or torch.compiler.is_compiling():
+            return None
+        device = inputs_embeds.device
+        past_length = 0 if cache is None else cache.get_seq_length()
+        materializes_scores = device.type != "cuda" or self.config._attn_implementation in (None, "eager")
+        return automatic_prefill_chunk(self.config, batch, length, past_length, device, materializes_scores)
 
     def prefill_in_chunks(self, inputs_embeds, attention_mask, position_ids, cache, use_cache, chunk_size, **kwargs):
         """Consecutive slices of the input through the model with one cache: everything in the model is causal, so
@@ -775,13 +802,16 @@ class Inkling2LanguageModelingMixin:
         model_kwargs["past_key_values"] = self.static_cache(rows, length)
 
     def static_cache(self, batch_size: int, max_cache_len: int) -> Inkling2StaticCache:
-        """An empty static cache for this batch and length: the previous one, reset, when it has that size (its
-        buffers and captured graphs are reused), else a new one."""
+        """An empty static cache for this batch holding at least `max_cache_len` tokens: the previous one, reset, when
+        it is for the same rows and long enough (its buffers and captured graphs are reused: prompts of other
+        lengths do not capture again), else a new one, its length rounded up to `STATIC_CACHE_GRANULE` tokens."""
         # buffers made under inference mode (e.g. by `inkling2 serve`) cannot be reset outside it
-        size = (batch_size, max_cache_len, self.device, self.dtype, torch.is_inference_mode_enabled())
-        if getattr(self, "_static_cache_size", None) != size:
-            self._static_cache = Inkling2StaticCache(self.config.get_text_config(), max_cache_len, batch_size)
-            self._static_cache_size = size
+        rows = (batch_size, self.device, self.dtype, torch.is_inference_mode_enabled())
+        previous = getattr(self, "_static_cache", None)
+        if getattr(self, "_static_cache_rows", None) != rows or previous.max_cache_len < max_cache_len:
+            length = -(-max_cache_len // STATIC_CACHE_GRANULE) * STATIC_CACHE_GRANULE
+            self._static_cache = Inkling2StaticCache(self.config.get_text_config(), length, batch_size)
+            self._static_cache_rows = rows
         self._static_cache.reset()
         return self._static_cache
 

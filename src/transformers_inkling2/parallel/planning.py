@@ -24,6 +24,7 @@ import torch
 
 from ..cache.common import MAX_STEP_TOKENS
 from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2TextConfig
+from ..modeling.activation_memory import prefill_activation_bytes
 
 GIB = 2**30
 VARIANTS = {
@@ -120,7 +121,7 @@ def memory_plan(
             f"TP {tp} must divide the attention heads ({text.num_attention_heads}) and EP {ep} the experts "
             f"({text.n_routed_experts})."
         )
-    hidden, inner = text.hidden_size, text.moe_intermediate_size
+    hidden = text.hidden_size
     weights = weight_bytes(config, variant, tp, ep)
 
     kv_cache = conv_states = 0.0
@@ -134,11 +135,7 @@ def memory_plan(
         kv_width = local_kv_heads * getattr(text, f"{prefix}head_dim")
         conv_states += batch * (2 * kv_width + 2 * hidden) * (text.conv_kernel_size - 1 + MAX_STEP_TOKENS) * 4.0
 
-    chunk = min(prefill_chunk, context)
-    relative_logits = chunk * text.num_attention_heads / tp * text.rel_extent * 4.0
-    moe = chunk * text.num_experts_per_tok * 2 * max(hidden, 2 * inner) * 4.0
-    blocks = chunk * (text.num_hidden_layers // text.n_layers_per_attn_res_block + 2) * hidden * 4.0
-    activations = batch * (relative_logits + moe + blocks)
+    activations = batch * prefill_activation_bytes(text, min(prefill_chunk, context), tp)
     return MemoryPlan(weights, kv_cache, conv_states, activations)
 
 

@@ -22,6 +22,8 @@ without its [queries, keys] score matrix:
 - `inkling2_triton_attention` (registered as `"inkling2_triton"`): prefill through our own fused kernel
   (`prefill_kernel`: the bias read in-tile, one pass for band and far part, the sink in the epilogue);
   decoding, CPU tensors and gradients as `inkling2_flex`.
+- `inkling2_auto_attention` (registered as `"inkling2_auto"`, the default): `inkling2_triton` on CUDA, the eager
+  reference elsewhere.
 - `inkling2_flex_decode_attention` (registered as `"inkling2_flex_decode"`): prefill as `inkling2_flex`; 1-8
   queries through one FlexAttention call on the folded heads (head ratio 1), so that compiled flex can use its
   split-KV decoding kernel. Checked against eager on CPU, and in bf16 at full size on CUDA (the GPU tests).
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ...cache.common import MAX_STEP_TOKENS
+from ...modeling.attention import eager_attention
 from ...modeling.tensors import differentiable
 
 try:  # torch >= 2.9: auxiliary outputs; older versions only know `return_lse`
@@ -334,6 +337,16 @@ def inkling2_triton_attention(query: torch.Tensor, key: torch.Tensor, value: tor
             _check_contiguous_positions(inputs["query_positions"], inputs["key_positions"])
             return prefill_kernel.prefill_attention(query, key, value, **inputs)
     return inkling2_flex_attention(query, key, value, **inputs)
+
+
+def inkling2_auto_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **inputs) -> torch.Tensor:
+    """The default backend (what a model uses when no `attn_implementation` is asked for): on CUDA the fastest path
+    for the call (`inkling2_triton_attention`: the fused prefill kernel, the decode kernel for 1-8 queries, FlexAttention
+    where gradients flow); elsewhere the eager reference, which on a CPU is as fast as the un-compiled paths and
+    exact."""
+    if query.is_cuda:
+        return inkling2_triton_attention(query, key, value, **inputs)
+    return eager_attention(query, key, value, **inputs)
 
 
 # --- decode / verification: 1-8 queries ---------------------------------------------------------------------------

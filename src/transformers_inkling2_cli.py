@@ -8,7 +8,7 @@ but only after importing the package.)
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
-    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N [--compile]]   a server
+    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N] [--compile]   a server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
 """
 
@@ -19,7 +19,10 @@ import sys
 
 SUBCOMMANDS = ("generate", "serve", "quantize", "plan", "train-dspark")
 DEFAULT_PROMPT = "Write one sentence about the sea."
-COMPILE_HELP = "with --static-cache: the captured decode steps are compiled by torch.compile (the fastest path)"
+COMPILE_HELP = (
+    "on a GPU, the decode steps replayed as CUDA graphs also run torch.compile'd: the fastest steps, after about "
+    "half a minute of compiling per batch size and cache bucket (docs/attention.md)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--dspark", action="store_true", help="speculative decoding with the bundled DSpark drafter")
     generate.add_argument(
-        "--static-cache", action="store_true", help="decode over Inkling2StaticCache (CUDA graphs on a GPU)"
+        "--static-cache", action="store_true", help="decode over Inkling2StaticCache (generate()'s default on a GPU)"
     )
     generate.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from transformers_inkling2_cli import SUBCOMMANDS, main
+from transformers_inkling2_cli import SUBCOMMANDS, build_parser, main
 
 # `--help` and argument errors are answered before any of these is imported (they take seconds)
 HEAVY_MODULES = ("torch", "transformers", "triton", "transformers_inkling2")
@@ -43,10 +43,15 @@ def test_dspark_and_static_cache_flags_give_the_same_greedy_reply_through_the_im
     assert replies[0] == replies[1] == replies[2] == replies[3]
 
 
-def test_compile_needs_the_static_cache():
+def test_compile_applies_without_naming_the_static_cache():
+    """On a GPU the static cache is generate()'s default, so `--compile` alone compiles its captured steps."""
+    from transformers import CompileConfig
+
+    from transformers_inkling2.cli import compile_config
+
     for command in (["generate", "--compile"], ["serve", "--compile"]):
-        with pytest.raises(SystemExit, match="add --static-cache"):
-            main(command)
+        assert isinstance(compile_config(build_parser().parse_args(command)), CompileConfig)
+    assert compile_config(build_parser().parse_args(["generate"])) is None
 
 
 def test_main_job_on_a_text_only_checkpoint_uses_the_text_generation_pipeline(tmp_path, capsys):

@@ -61,12 +61,10 @@ class CountingStreamer:
 
 
 def compile_config(args: argparse.Namespace):
-    """transformers' `CompileConfig` for `--compile` (None without it): the static cache's captured steps then run
-    the `torch.compile`d model (`Inkling2DecodeGraphs`); without a static cache there is nothing it applies to."""
+    """transformers' `CompileConfig` for `--compile` (None without it): the decode steps replayed as CUDA graphs (the
+    static cache, generate()'s default on CUDA) then run the `torch.compile`d model (`Inkling2DecodeGraphs`)."""
     if not args.compile:
         return None
-    if not args.static_cache:
-        raise SystemExit("--compile applies to the static cache's decode steps: add --static-cache.")
     from transformers import CompileConfig
 
     return CompileConfig()
@@ -139,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.static_cache:  # one size for every request, so that its buffers and graphs are reused
         model.generation_config.cache_implementation = "static"
         model.generation_config.max_cache_len = args.static_cache
-        model.generation_config.compile_config = compile_steps
+    model.generation_config.compile_config = compile_steps
     effort = args.effort
     if effort is not None and effort.replace(".", "", 1).isdigit():
         effort = float(effort)

@@ -238,11 +238,13 @@ def gradients(model, checkpointing: bool, **checkpointing_kwargs) -> tuple[dict[
     return grads, len(calls)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("experts", ["mixed", "bf16"])
-def test_gradient_checkpointing_gives_the_same_gradients(checkpoints, experts):
+def test_gradient_checkpointing_gives_the_same_gradients(checkpoints, experts, use_reentrant):
     extra = {"target_parameters": EXPERT_TARGETS} if experts == "bf16" else {}
     reference, calls = gradients(lora(load(checkpoints / experts), **extra), checkpointing=False)
-    checkpointed, recomputed_calls = gradients(lora(load(checkpoints / experts), **extra), checkpointing=True)
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": use_reentrant}}
+    checkpointed, recomputed_calls = gradients(lora(load(checkpoints / experts), **extra), checkpointing=True, **kwargs)
     assert (calls, recomputed_calls) == (1, 2)
     assert reference.keys() == checkpointed.keys() and all(g.abs().max() > 0 for g in reference.values())
     for name in reference:
@@ -257,11 +259,6 @@ def test_gradient_checkpointing_works_without_use_cache_false(checkpoints):
     model.train()
     model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
 
-
-def test_reentrant_gradient_checkpointing_is_refused_clearly(checkpoints):
-    model = lora(load(checkpoints / "mixed"))
-    with pytest.raises(ValueError, match="non-reentrant gradient checkpointing only"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
 # --- LoRA on the routed experts -----------------------------------------------------------------------------------

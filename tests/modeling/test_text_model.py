@@ -72,7 +72,7 @@ def test_config_fields_and_defaults_equal_builtin():
         (dict(num_hidden_layers=2, layer_types=["hybrid", "global"]), "Unknown layer type"),
         (dict(num_hidden_layers=3, layer_types=["hybrid", "hybrid_sliding"]), "one entry per layer"),
         (dict(num_experts_per_tok=9, n_routed_experts=8), "cannot exceed"),
-        (dict(unpadded_vocab_size=300, vocab_size=200), "unpadded_vocab_size"),
+        (dict(unpadded_vocab_size=0, vocab_size=200), "unpadded_vocab_size"),
     ],
 )
 def test_bad_text_config_is_a_clear_error(fields, message):

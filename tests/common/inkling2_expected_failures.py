@@ -28,11 +28,6 @@ OURS_TEXT_MODEL = {
 
 OURS_MODEL = {
     **_OURS_SHARED,
-    "test_vision_axial_rope": (
-        "the suite skips it ('has no axial RoPE layer defined'): our ViT's rotary embedding has no "
-        "compute_axial_rope_parameters (transformers' axial RoPE, set from vision_config.rope_parameters); not done "
-        "yet, out of time"
-    ),
     "test_reverse_loading_mapping": (
         "Inkling2Model: our `model\\.llm\\.unembed\\.weight` -> `lm_head.weight` renaming, registered for the model "
         "type, matches no key of a model without lm_head (the built-in fails too, on "

@@ -153,24 +153,38 @@ class Inkling2VisionEmbeddings(nn.Module):
 class Inkling2VisionRotaryEmbedding(nn.Module):
     """Axial RoPE: the first half of each head rotates with the column, the second half with the row.
 
-    Channels rotate in interleaved pairs (0, 1), (2, 3), ...; both axes share the same frequencies. The frequencies
-    are recomputed on each call (a few dozen numbers), so there is no buffer to initialise or move.
+    Channels rotate in interleaved pairs (0, 1), (2, 3), ...; both axes share the same `head_dim // 4` frequencies.
+    The module follows transformers' axial RoPE interface (`rope_type="axial"`, `compute_axial_rope_parameters`,
+    the `inv_freq` / `original_inv_freq` buffers that `_init_weights` fills), so tools that read or rescale RoPE find
+    it where they look.
     """
 
     def __init__(self, config: Inkling2VisionConfig):
         super().__init__()
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.theta = config.rope_parameters["rope_theta"]
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "axial")
+        inv_freq, self.attention_scaling = self.compute_axial_rope_parameters(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_axial_rope_parameters(config: Inkling2VisionConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        """(the inverse frequencies shared by both axes, `[head_dim // 4]` fp32; the cos/sin scale, always 1)."""
+        axis_dim = (config.hidden_size // config.num_attention_heads) // 2
+        exponents = torch.arange(0, axis_dim, 2, dtype=torch.float32, device=device) / axis_dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
 
     @torch.no_grad()
-    def forward(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rows`, `cols`: `[seq]` positions. Returns float32 cos and sin of shape `[seq, head_dim]`."""
-        axis_dim = self.head_dim // 2
-        exponents = torch.arange(0, axis_dim, 2, dtype=torch.float32, device=rows.device) / axis_dim
-        inv_freq = 1.0 / (self.theta**exponents)
-        angles = torch.cat([cols.float()[:, None] * inv_freq, rows.float()[:, None] * inv_freq], dim=-1)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`position_ids`: `[seq, 2]` (column, row) of each token; `x` only gives the device. Returns float32 cos and
+        sin of shape `[seq, head_dim]`."""
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # `model.to(torch.bfloat16)` rounded the buffer: recompute it in fp32
+            inv_freq = self.compute_axial_rope_parameters(self.config, device=inv_freq.device)[0]
+        inv_freq = inv_freq.to(x.device)
+        angles = (position_ids.float()[..., None] * inv_freq).flatten(-2)  # column angles, then row angles
         angles = angles.repeat_interleave(2, dim=-1)  # one angle per interleaved channel pair
-        return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -417,7 +431,7 @@ class Inkling2VisionModel(Inkling2VisionPreTrainedModel):
         coordinates = [patch_coordinates(rows, cols, merge, device=device) for rows, cols in sizes]
         pos_rows = torch.cat([t for r, _ in coordinates for t in (zero, r + 1)])
         pos_cols = torch.cat([t for _, c in coordinates for t in (zero, c + 1)])
-        position_embeddings = self.rotary_emb(pos_rows, pos_cols)
+        position_embeddings = self.rotary_emb(hidden_states, torch.stack([pos_cols, pos_rows], dim=-1))
 
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, seq_lengths, output_attentions=output_attentions)

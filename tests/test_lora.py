@@ -120,10 +120,14 @@ def test_default_targets_are_the_text_attention_projections_and_nothing_else():
 
     text = adapted(Inkling2ForCausalLM(Inkling2TextConfig(**CONFIG)), target_modules=ATTENTION_TARGETS)
     assert text == {f"model.{name}" for name in expected}
-    multimodal = Inkling2ForConditionalGeneration(tiny_config(vocab_size=512, unpadded_vocab_size=500))
+    multimodal = Inkling2ForConditionalGeneration(
+        tiny_config(image_token_id=499, vocab_size=512, unpadded_vocab_size=500)
+    )
     assert adapted(multimodal, target_modules=ATTENTION_TARGETS) == {f"model.language_model.{n}" for n in expected}
     # why a regex: the bare names also catch the ViT's q/k/v_proj
-    multimodal = Inkling2ForConditionalGeneration(tiny_config(vocab_size=512, unpadded_vocab_size=500))
+    multimodal = Inkling2ForConditionalGeneration(
+        tiny_config(image_token_id=499, vocab_size=512, unpadded_vocab_size=500)
+    )
     bare_names = adapted(multimodal, target_modules=[f"{p}_proj" for p in PROJECTIONS])
     assert any(".vision_tower." in name for name in bare_names)
 
@@ -204,8 +208,9 @@ def test_adapter_round_trips_exactly(trained_on_quantized, checkpoints, tmp_path
     assert torch.equal(logits(model), adapted)
 
 
-def test_merged_model_equals_the_adapted_model_and_keeps_its_quantized_layout(trained_on_quantized, checkpoints,
-                                                                              tmp_path):
+def test_merged_model_equals_the_adapted_model_and_keeps_its_quantized_layout(
+    trained_on_quantized, checkpoints, tmp_path
+):
     peft_model, _, before = trained_on_quantized
     adapted = logits(peft_model)
     peft_model.save_pretrained(tmp_path / "adapter")
@@ -258,7 +263,6 @@ def test_gradient_checkpointing_works_without_use_cache_false(checkpoints):
         model.gradient_checkpointing_enable()
     model.train()
     model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
-
 
 
 # --- LoRA on the routed experts -----------------------------------------------------------------------------------

@@ -58,20 +58,26 @@ def tiny_dspark_config(**overrides) -> Inkling2DSparkConfig:
     return Inkling2DSparkConfig(**fields)
 
 
-def tiny_config(**text_overrides) -> Inkling2Config:
-    """The tiny text decoder with a two-layer ViT of width 32 in front."""
-    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, projection_hidden_dim=64, text_hidden_size=64)
-    return Inkling2Config(text_config=tiny_text_config(**text_overrides).to_dict(), vision_config=vision)
+def tiny_config(image_token_id: int | None = None, **text_overrides) -> Inkling2Config:
+    """The tiny text decoder with a two-layer ViT of width 32 in front; a smaller `vocab_size` needs an
+    `image_token_id` inside it."""
+    vision = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, projection_hidden_dim=64, text_hidden_size=64
+    )
+    image_token = {} if image_token_id is None else {"image_token_id": image_token_id}
+    return Inkling2Config(text_config=tiny_text_config(**text_overrides).to_dict(), vision_config=vision, **image_token)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.nn.Module:
     """Draws every parameter and buffer from a seeded normal distribution, the zero-initialized ones (attention-
     residual queries, dynamic-convolution taps, router bias) too, so that no part of the model is inert. Norm
-    weights and scales are drawn around 1."""
+    weights and scales are drawn around 1. Buffers that are not saved (the ViT's rotary frequencies) are computed,
+    not weights: they keep their values."""
     generator = torch.Generator().manual_seed(seed)
+    saved = model.state_dict(keep_vars=True).keys()
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if not tensor.is_floating_point():
+            if not tensor.is_floating_point() or name not in saved:
                 continue
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
             if re.search(r"(l2_clip\.scale|norm[^.]*\.weight)$", name):

@@ -47,7 +47,9 @@ def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor_parallel")
     randomize_(Inkling2ForCausalLM(text_config_with_drafter()), seed=1).save_pretrained(root / "bf16")
     quantize_checkpoint(root / "bf16", root / "quantized", mxfp8_from=3)  # layers 0-2 NVFP4, 3-5 MXFP8
-    randomize_(Inkling2ForConditionalGeneration(tiny_config(**TEXT)), seed=2).save_pretrained(root / "multimodal")
+    randomize_(Inkling2ForConditionalGeneration(tiny_config(image_token_id=499, **TEXT)), seed=2).save_pretrained(
+        root / "multimodal"
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
                str(WORKER), str(root), str(root / "report.json")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -151,7 +153,10 @@ def test_every_plan_rule_names_a_module_or_parameter_of_the_model():
         ".".join("*" if part.isdigit() else part for part in name.split("."))
         for name, _ in [*model.named_modules(), *model.named_parameters()]
     }
-    for rule in [*Inkling2ForCausalLM._tp_plan, *(f"model.{rule}" for rule in [*TEXT_MODEL_TP_PLAN, *TEXT_MODEL_EP_PLAN])]:
+    for rule in [
+        *Inkling2ForCausalLM._tp_plan,
+        *(f"model.{rule}" for rule in [*TEXT_MODEL_TP_PLAN, *TEXT_MODEL_EP_PLAN]),
+    ]:
         assert rule in names, rule
     assert model.tp_plan["lm_head"] == "colwise_gather_output" and model.ep_plan
 

@@ -143,6 +143,16 @@ def test_long_inputs_run_in_chunks_chosen_from_the_free_memory(model, monkeypatc
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
 
 
+def test_every_layers_outputs_asked_for_in_the_config_keep_the_input_whole(model, monkeypatch):
+    """`config.output_hidden_states` needs every layer over the whole input, as the argument does: no chunks."""
+    monkeypatch.setattr(activation_memory, "free_memory_bytes", lambda device: 64 * 2**20)
+    inputs_embeds = torch.zeros(1, activation_memory.CHUNK_GRANULE + 1, model.config.hidden_size)
+    assert model.model.automatic_prefill_chunk(inputs_embeds, None) == activation_memory.CHUNK_GRANULE
+    monkeypatch.setattr(model.model.config, "output_hidden_states", True)
+    assert model.model.automatic_prefill_chunk(inputs_embeds, None) is None
+    assert model.model.automatic_prefill_chunk(inputs_embeds, None, output_hidden_states=False) is not None
+
+
 @pytest.mark.parametrize(
     "free, tokens, expected",
     [

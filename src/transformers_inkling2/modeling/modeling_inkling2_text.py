@@ -665,7 +665,10 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         fit the free memory (`activation_memory`); None for short inputs, in training with gradients, and when every
         layer's hidden states or attentions are asked for (those need the whole input at once)."""
         batch, length, _ = inputs_embeds.shape
-        wants_all = kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+        wants_all = any(
+            getattr(self.config, name) if kwargs.get(name) is None else kwargs[name]
+            for name in ("output_hidden_states", "output_attentions")
+        )
         training = self.training and torch.is_grad_enabled()
         if length <= CHUNK_GRANULE or wants_all or training or torch.compiler.is_compiling():
             return None

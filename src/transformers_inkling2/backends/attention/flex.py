@@ -342,8 +342,8 @@ def inkling2_triton_attention(query: torch.Tensor, key: torch.Tensor, value: tor
 def inkling2_auto_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **inputs) -> torch.Tensor:
     """The default backend (what a model uses when no `attn_implementation` is asked for): on CUDA the fastest path
     for the call (`inkling2_triton_attention`: the fused prefill kernel, the decode kernel for 1-8 queries, FlexAttention
-    where gradients flow); elsewhere the eager reference, which on a CPU is as fast as the un-compiled paths and
-    exact."""
+    where gradients flow); elsewhere the eager reference (off CUDA the other paths run un-compiled and materialize
+    the scores too, so nothing is gained by leaving the reference)."""
     if query.is_cuda:
         return inkling2_triton_attention(query, key, value, **inputs)
     return eager_attention(query, key, value, **inputs)

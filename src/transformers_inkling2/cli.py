@@ -53,6 +53,8 @@ class CountingStreamer:
     def put(self, value):
         if self.prompt_seen:
             self.new_tokens += value.numel()
+        else:  # the prompt arrives once generate() has set up (and logged which path it takes)
+            print("[reply] ", end="", flush=True)
         self.prompt_seen = True
         self.printer.put(value)
 
@@ -105,7 +107,7 @@ def run_generate(args: argparse.Namespace) -> None:
         generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
         call = dict(text_inputs=messages, **generation)
 
-    print(f"[prompt] {args.prompt}" + (f" [image: {args.image}]" if args.image else "") + "\n[reply] ", end="", flush=True)
+    print(f"[prompt] {args.prompt}" + (f" [image: {args.image}]" if args.image else ""), flush=True)
     start = time.perf_counter()
     generator(**call)
     if device.type == "cuda":

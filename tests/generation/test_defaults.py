@@ -76,7 +76,8 @@ class _Model:
     ids=["cuda", "dspark", "cpu", "attentions", "beams", "assisted", "explicit-cache", "own-cache", "no-cache"],
 )
 def test_the_fast_path_is_chosen_only_when_the_call_leaves_it_open_and_can_take_it(device, kwargs, static):
-    chosen = defaults.choose_fast_path(_Model(device), None, dict(kwargs))
+    model = _Model(device)
+    chosen = defaults.choose_fast_path(model, model.generation_config, dict(kwargs))
     assert (chosen.get("cache_implementation") == "static") == static
     assert {k: v for k, v in chosen.items() if k != "cache_implementation"} == {
         k: v for k, v in kwargs.items() if k != "cache_implementation"
@@ -88,8 +89,9 @@ def test_a_call_that_cannot_take_the_fast_path_says_why_once(caplog):
     transformers_logging.enable_propagation()
     try:
         with caplog.at_level(logging.WARNING):
-            defaults.choose_fast_path(_Model("cuda"), None, {"num_beams": 3})
-            defaults.choose_fast_path(_Model("cuda"), None, {"num_beams": 3})
+            for _ in range(2):
+                model = _Model("cuda")
+                defaults.choose_fast_path(model, model.generation_config, {"num_beams": 3})
     finally:
         transformers_logging.disable_propagation()
     lines = [record.getMessage() for record in caplog.records if "reference path" in record.getMessage()]

@@ -44,10 +44,10 @@ def reference_path_reason(model, generation_config, kwargs: dict) -> str | None:
     return None
 
 
-def choose_fast_path(model, generation_config, kwargs: dict) -> dict:
+def choose_fast_path(model, settings, kwargs: dict) -> dict:
     """`kwargs` with `cache_implementation="static"` added when the caller left the cache open and the call can take
-    the fast path; otherwise unchanged (with one log line per reason when the fast path does not apply)."""
-    settings = generation_config if generation_config is not None else model.generation_config
+    the fast path; otherwise unchanged (with one log line per reason when the fast path does not apply). `settings`:
+    the generation config the call uses (its own, else the model's)."""
     if any(_setting(name, settings, kwargs) is not None for name in _EXPLICIT):
         return kwargs
     if _setting("use_cache", settings, kwargs) is False:

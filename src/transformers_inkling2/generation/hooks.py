@@ -28,11 +28,11 @@ def generate_with_dspark(
     """`generate()` as usual (`generate` is transformers' own, bound to the model), on the fast path by default on
     CUDA (`defaults.choose_fast_path`); `dspark=True` (or `dspark: true` in the generation config) decodes with the
     bundled DSpark drafter: same output as without it (token for token when greedy, the same distribution when
-    sampling), several tokens per target pass. `draft_sample_method`
-    ("probabilistic" or "greedy") and `dspark_confidence_threshold` tune the drafts; `return_dict_in_generate=True`
-    adds acceptance statistics. See `docs/dspark.md`."""
-    kwargs = choose_fast_path(model, generation_config, kwargs)
+    sampling), several tokens per target pass. `draft_sample_method` ("probabilistic" or "greedy") and
+    `dspark_confidence_threshold` tune the drafts; `return_dict_in_generate=True` adds acceptance statistics. See
+    `docs/dspark.md`."""
     settings = generation_config if generation_config is not None else model.generation_config
+    kwargs = choose_fast_path(model, settings, kwargs)
     if not (dspark if dspark is not None else getattr(settings, "dspark", False)):
         return generate(inputs, generation_config, *args, **kwargs)
     for conflicting in ("custom_generate", "assistant_model", "prompt_lookup_num_tokens"):

@@ -5,6 +5,7 @@ drafter's config, checkpoints and training: `tests/dspark/test_dspark_drafter.py
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import StoppingCriteria, StoppingCriteriaList
 from inkling2_helpers import (
     DRAFTER,
     IMAGE_TOKEN,
@@ -75,6 +76,27 @@ def test_eos_and_max_new_tokens_inside_a_step(model, monkeypatch):
     assert torch.equal(out, expected)
     # 13 = 1 (prefill) + 8 + 4: the budget ends four tokens into the second step
     assert torch.equal(dspark_generate(model, input_ids, attention_mask, 13), reference[:, : 12 + 13])
+
+
+class StopAtLength(StoppingCriteria):
+    """A caller's own criterion (as a server's cancel flag is): stops every row once it holds `length` tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+
+def test_a_callers_stopping_criteria_stop_dspark_where_they_stop_plain_decoding(model, monkeypatch):
+    input_ids, attention_mask = left_padded_batch(seed=9, length=12, pad=0)
+    input_ids, attention_mask = input_ids[:1], attention_mask[:1]
+    reference = greedy_generate(model, input_ids, attention_mask, new_tokens=30)
+    plant_drafts(monkeypatch, reference, attention_mask, perfect=True)
+    arguments = dict(attention_mask=attention_mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    criteria = StoppingCriteriaList([StopAtLength(12 + 7)])  # the 7th token falls inside a step of 8
+    out = model.generate(input_ids, stopping_criteria=criteria, dspark=True, **arguments)
+    assert torch.equal(out, reference[:, : 12 + 7])
 
 
 class Collect:

@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
 from ..cache.common import MAX_STEP_TOKENS, shift_rows_right
@@ -439,7 +439,10 @@ def dspark_decoding(
     decoder = DSparkDecoder(model, cache, logits_processor, generation_config, options or DSparkOptions())
     eos = generation_config._eos_token_tensor
     eos_ids = set() if eos is None else set(eos.flatten().tolist())
-    extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    # a list of its own kind: it is called on each kept token's sequence, as generate() calls its criteria
+    extra_criteria = StoppingCriteriaList(
+        [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    )
     generated: list[list[int]] = [[] for _ in range(batch)]
     alive = [True] * batch
 

@@ -162,6 +162,34 @@ def decode_table(models: dict, batches: list[int]) -> tuple[str, dict]:
     return markdown_table(headers, rows), data
 
 
+def step_breakdown(model, steps: int = 32) -> tuple[str, dict]:
+    """Where a default batch-1 decode step's time goes: GPU kernel time per token (graph replays included, as the
+    profiler sees them) against wall time per token, and the kernels that take the most. A call of `steps + 1`
+    tokens minus a call of 1 token (the prefill alone) leaves the decode steps' kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_times(new_tokens: int) -> tuple[dict, list[float]]:
+        inputs = prompt(1, PROMPT)
+        timed_generate(model, inputs, new_tokens)  # warm: graphs captured
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            _, times = timed_generate(model, inputs, new_tokens)
+        kernels = {e.key: (e.count, e.self_device_time_total) for e in profiler.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA}  # fmt: skip
+        return kernels, times
+
+    decode, times = kernel_times(steps + 1)
+    prefill, _ = kernel_times(1)
+    per_token = {key: ((count - prefill.get(key, (0, 0))[0]) / steps, (us - prefill.get(key, (0, 0))[1]) / steps)
+                 for key, (count, us) in decode.items()}  # fmt: skip
+    gpu_ms = sum(us for _, us in per_token.values()) / 1e3
+    wall_ms = (times[-1] - times[0]) / (len(times) - 1) * 1e3
+    rows = [[key[:90], fmt(count, ".1f"), fmt(us / 1e3, ".3f")]
+            for key, (count, us) in sorted(per_token.items(), key=lambda item: -item[1][1])[:15]]  # fmt: skip
+    head = f"Wall {wall_ms:.2f} ms per token; GPU kernels {gpu_ms:.2f} ms per token ({steps} decode steps)."
+    table = markdown_table(["kernel", "launches per token", "ms per token"], rows)
+    return head + "\n\n" + table, {"wall_ms_per_token": wall_ms, "gpu_ms_per_token": gpu_ms}
+
+
 def prefill_table(models: dict, lengths: list[int]) -> tuple[str, dict]:
     rows, data = [], {}
     for name in ("builtin", "ours"):
@@ -232,6 +260,9 @@ def main() -> None:
     if "decode" not in args.skip:
         table = decode_table_with_quantized(models, args.quick, data)
         sections += [f"## Decode: {PROMPT:,}-token prompt, {NEW_TOKENS} new tokens, greedy", table]
+        breakdown = guarded(lambda: step_breakdown(ours))
+        table, data["step_breakdown"] = breakdown if isinstance(breakdown, tuple) else (breakdown, None)
+        sections += ["## Where a default batch-1 step's time goes (torch.profiler)", table]
     if "prefill" not in args.skip:
         lengths = [1024, 4096] if args.quick else [8192, 32768, 131072]
         table, data["prefill"] = prefill_table(models, lengths)

@@ -13,6 +13,7 @@ from transformers import pipeline
 
 from transformers_inkling2.processing.chat_template import unescape_text
 from transformers_inkling2.processing.response_parsing import (
+    MAX_TOOL_NAME,
     RESPONSE_TEMPLATE,
     Inkling2ResponseParser,
     Inkling2ResponseStreamer,
@@ -115,6 +116,22 @@ WELL_FORMED = [
     ),
     ("empty-text", f"{TEXT}{END}{EOT}", {"content": "", "thinking": None, "tool_calls": []}),
 ]
+
+
+def test_text_outside_any_block_streams_after_a_bounded_hold():
+    """Text between blocks may be a tool's name (held until its kind token); past MAX_TOOL_NAME characters it is
+    stray text and streams as content, as a random model's reply must (it arrived all at the end before)."""
+    parser = Inkling2ResponseParser()
+    words = [f"word{i} " for i in range(120)]
+    released_early = []
+    for index, word in enumerate(words):
+        released_early += [(index, d.text) for d in parser.feed(word)]
+    first_release = released_early[0][0]
+    assert len("".join(words[: first_release + 1])) > MAX_TOOL_NAME >= len("".join(words[:first_release]))
+    assert all(index == first_release or len(text) == len(words[index]) for index, text in released_early)
+    tail = "".join(d.text for d in parser.feed(f"{MODEL}{TEXT}done{END}{EOT}"))
+    assert "".join(text for _, text in released_early) + tail == "".join(words) + "done"
+    assert parser.message["content"] == "".join(words) + "done"
 
 
 @pytest.mark.parametrize("name,text,expected", WELL_FORMED, ids=[case[0] for case in WELL_FORMED])

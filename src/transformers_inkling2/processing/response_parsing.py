@@ -55,6 +55,7 @@ from .tokenization_inkling2 import build_inkling2_tokenizer, decode_for_parsing
 _SPECIAL = re.compile(r"<\|[a-z0-9_]+\|>")
 _SPECIAL_PREFIX = re.compile(r"<(?:\|[a-z0-9_]*\|?)?")  # what a special token looks like while half-received
 _TOOL_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+MAX_TOOL_NAME = 256  # longer text between blocks is taken for stray text: it streams as content
 _HEADER, _THINKING, _TEXT, _TOOL, _DONE = "header", "thinking", "text", "tool", "done"
 
 
@@ -116,6 +117,7 @@ class Inkling2ResponseParser:
         self.invalid_tool_calls: list[dict] = []
         self.ended_turn = False  # saw `<|content_model_end_sampling|>`
         self._saw_marker = False  # any special token so far: without one, the text is not in the block format
+        self._stray_open = False  # stray text was released since the last special token
 
     @property
     def message(self) -> dict:
@@ -166,9 +168,12 @@ class Inkling2ResponseParser:
                 stop = len(self._buffer) if at_end else _held_back_from(self._buffer)
                 stop = max(stop, position)
                 if self._state == _HEADER:
-                    if not at_end:
-                        break  # a header is only known at its kind token
-                    self._header += self._buffer[position:]
+                    # a header is only known at its kind token (tml reads any text before an invoke as the tool's
+                    # name); past MAX_TOOL_NAME characters it is stray text, and streams from there on
+                    self._header += self._buffer[position:stop]
+                    if not at_end and (self._stray_open or len(self._header) > MAX_TOOL_NAME):
+                        self._release_stray_header(deltas)
+                        self._stray_open = True
                 else:
                     self._body_text(deltas, self._buffer[position:stop])
                 position = stop
@@ -179,6 +184,7 @@ class Inkling2ResponseParser:
             if self._state == _HEADER:
                 self._header += before
                 self._header_token(deltas, token)
+                self._stray_open = False
             else:
                 self._body_text(deltas, before)
                 self._body_token(deltas, token)
@@ -225,10 +231,12 @@ class Inkling2ResponseParser:
             deltas.append(ResponseDelta(kind, text=text))
 
     def _release_stray_header(self, deltas: list[ResponseDelta]) -> None:
-        """Text outside any block is kept as visible content rather than lost (whitespace is dropped)."""
+        """Text outside any block is kept as visible content rather than lost (whitespace alone is dropped, unless
+        it continues stray text already released)."""
         stray, self._header = self._header, ""
-        if stray.strip():
+        if stray.strip() or (stray and self._stray_open):
             self._emit_text(deltas, "content", stray)
+
 
     def _close_tool_call(self, deltas: list[ResponseDelta], truncated: bool) -> None:
         self._tool_raw = unescape_text(self._tool_raw)

@@ -873,7 +873,7 @@ AWKWARD_SIZES = [  # (width, height)
     (40, 1), (1, 40), (39, 40), (40, 39), (80, 40), (40, 80), (40, 120), (120, 40),
     (1280, 720), (1920, 1080), (1000, 700), (640, 480), (64, 48), (720, 1280),
     (7, 3000), (3000, 7), (1, 4000), (4000, 1),  # tall, wide
-    (4000, 3000), (10000, 10000), (32768, 32768),  # large: tml never resizes, nor do we without max_pixels
+    (4000, 3000), (10000, 10000), (32768, 32768),  # large: tml never resizes, nor do we with max_pixels=None
 ]
 
 
@@ -896,7 +896,8 @@ def tml_image_tokens(renderer, width, height):
 
 @pytest.fixture(scope="module")
 def image_processor():
-    return Inkling2ImageProcessor()
+    # tml renders every image at its own size: compared without the library's default pixel budget
+    return Inkling2ImageProcessor(max_pixels=None)
 
 
 def test_image_token_counts_match_tml(renderer, image_processor):

@@ -18,7 +18,7 @@ import PIL.Image
 import pytest
 import torch
 
-from transformers_inkling2.processing.image_processing_inkling2 import Inkling2ImageProcessorPil
+from transformers_inkling2.processing.image_processing_inkling2 import DEFAULT_MAX_PIXELS, Inkling2ImageProcessorPil
 
 CELL = 40  # patch 20 x merge 2
 PADDING = (-1 - 127.5) / 127.5  # -1 on the 0-255 scale, then (x / 255 - 0.5) / 0.5
@@ -266,8 +266,25 @@ def test_max_pixels_bounds_tokens_and_keeps_aspect_ratio():
     assert grid[1] * grid[2] >= 0.8 * 256  # and close to it: the budget is used
     assert abs(grid[1] / grid[2] - 2000 / 1500) < 0.1
     assert processor.get_number_of_image_patches(2000, 1500) == grid[1] * grid[2]
-    # without a budget (the default, like the reference processor) nothing is resized
-    assert Inkling2ImageProcessorPil()(photo)["image_grid_thw"].tolist() == [[1, 50, 38]]
+    # without a budget (max_pixels=None, like the reference processor) nothing is resized
+    assert Inkling2ImageProcessorPil(max_pixels=None)(photo)["image_grid_thw"].tolist() == [[1, 50, 38]]
+
+
+def test_the_default_budget_caps_an_image_at_4096_tokens_and_none_never_resizes(processor):
+    assert processor.max_pixels == DEFAULT_MAX_PIXELS == 4096 * CELL * CELL
+    assert processor.get_number_of_image_patches(12000, 12000) == 64 * 64  # was 300 x 301 = 90,300
+    assert processor.get_number_of_image_patches(12000, 12000, {"max_pixels": None}) == 300 * 301
+    assert processor.get_number_of_image_patches(2000, 3000) == 50 * 76  # within the budget: untouched
+    grid = processor(np.zeros((3000, 4000, 3), dtype=np.uint8))["image_grid_thw"][0].tolist()
+    assert grid[1] * grid[2] <= 4096 and grid == [1, 55, 74]
+    assert processor(np.zeros((3000, 4000, 3), dtype=np.uint8), max_pixels=None)["image_grid_thw"].tolist() == [
+        [1, 75, 101]
+    ]
+
+
+def test_max_pixels_none_survives_save_and_load(tmp_path):
+    Inkling2ImageProcessorPil(max_pixels=None).save_pretrained(tmp_path)
+    assert Inkling2ImageProcessorPil.from_pretrained(tmp_path).max_pixels is None
 
 
 def test_max_pixels_leaves_images_within_budget_untouched(processor):

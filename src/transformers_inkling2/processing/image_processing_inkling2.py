@@ -4,7 +4,8 @@ What the ViT expects, and what this produces for each image:
 
 1. RGB. Transparent images are composited onto a grey checkerboard (8-pixel squares of 204 and 153), as in the
    reference processor; grayscale, palette, CMYK, 16-bit, ... go through Pillow's RGB conversion.
-2. Optionally, a downscale that keeps the aspect ratio so the image fits a pixel budget (`max_pixels`).
+2. A downscale that keeps the aspect ratio when the image does not fit the pixel budget (`max_pixels`, by default
+   4096 image tokens' worth; `None` never resizes, like the reference processor).
 3. Padding to the token grid (40 pixels a token: patch 20 x merge 2) with the value -1 on the 0-255 scale, just
    below black: the bottom up to a multiple of 40, the right always by at least one pixel. The grid is
    `ceil(H / 40)` rows by `W // 40 + 1` columns, as Thinking Machines' renderer (tml-renderers) counts image
@@ -48,15 +49,19 @@ PAD_VALUE = -1.0
 CHECKER_SQUARE = 8
 CHECKER_LIGHT, CHECKER_DARK = 204, 153
 URL_TIMEOUT_S = 30
+# The library's default pixel budget: 4096 image tokens of 40x40 pixels (6,553,600 pixels). Without one, a
+# 12000x12000 PNG became 90,000 image tokens (now 64x64 = 4096, at 2534x2534); a 3000x2000 photo (3800 tokens) is
+# left as it is, a 4000x3000 one (7575) becomes 2926x2194 (4070).
+DEFAULT_MAX_PIXELS = 4096 * 40 * 40
 
 
 class Inkling2ImageProcessorKwargs(ImagesKwargs, total=False):
     r"""
-    max_pixels (`int`, *optional*):
+    max_pixels (`int` or `None`, *optional*, defaults to `DEFAULT_MAX_PIXELS` = 4096 * 1600 = 6,553,600):
         Pixel budget per image, counted on the padded canvas (a whole number of 40x40 cells), so an image yields at
-        most `max_pixels // 1600` image tokens. Larger images are downscaled (aspect ratio kept, bicubic with
-        antialiasing); images within the budget are never changed. `None` (default) never resizes, like the
-        reference processor: a 4000x3000 photo then costs 7575 image tokens.
+        most `max_pixels // 1600` image tokens (4096 by default). Larger images are downscaled (aspect ratio kept,
+        bicubic with antialiasing); images within the budget are never changed. `None`, passed explicitly, never
+        resizes, like the reference processor (and tml-renderers): a 4000x3000 photo then costs 7575 image tokens.
     """
 
     max_pixels: int | None
@@ -72,6 +77,9 @@ def load_image(source: str | os.PathLike) -> PIL.Image.Image:
 
     Unlike transformers' `load_image`, the alpha channel is kept, so transparent images are composited the same way
     whether they arrive as a path or as a PIL image.
+
+    For trusted input only: it opens any path and fetches any URL. `inkling2 serve` loads what clients send with
+    `transformers_inkling2.serving.media.load_media_image`, which enforces a `MediaPolicy`.
     """
     source = os.fspath(source)
     try:
@@ -172,7 +180,8 @@ def grid_size(height: int, width: int, cell_height: int, cell_width: int) -> tup
 
 
 def fit_to_pixel_budget(height: int, width: int, max_pixels: int, cell_height: int, cell_width: int) -> tuple[int, int]:
-    """About the largest size with the image's aspect ratio whose padded canvas holds at most `max_pixels` pixels."""
+    """About the largest size with the image's aspect ratio whose padded canvas holds at most `max_pixels` pixels
+    (`max_pixels // (cell_height * cell_width)` tokens); an image already within the budget keeps its size."""
     max_tokens = max_pixels // (cell_height * cell_width)
     if max_tokens < 1:
         raise ValueError(f"`max_pixels` ({max_pixels}) must allow at least one {cell_height}x{cell_width} image token.")
@@ -241,7 +250,8 @@ class Inkling2ImageProcessor(PilBackend):
 
     Args:
         size (`dict`, defaults to `{"height": 40, "width": 40}`): pixels per image token (patch size x merge size).
-        max_pixels (`int`, *optional*): see `Inkling2ImageProcessorKwargs`; `None` never resizes.
+        max_pixels (`int` or `None`, defaults to `DEFAULT_MAX_PIXELS`, 4096 tokens' worth): see
+            `Inkling2ImageProcessorKwargs`; `None` never resizes.
         do_convert_rgb (`bool`, defaults to `True`): RGB, which the model needs. `False` keeps each image's own
             channels (as transformers' processors do), for inspecting or for other models: `image_mean` and
             `image_std` then need one value per channel (or one for all), and the model's ViT refuses anything but 3.
@@ -256,7 +266,7 @@ class Inkling2ImageProcessor(PilBackend):
     do_rescale = True
     do_normalize = True
     size = {"height": 40, "width": 40}
-    max_pixels = None
+    max_pixels = DEFAULT_MAX_PIXELS
 
     def __init__(self, **kwargs: Unpack[Inkling2ImageProcessorKwargs]):
         super().__init__(**kwargs)
@@ -387,4 +397,4 @@ class Inkling2ImageProcessor(PilBackend):
 # it `Inkling2ImageProcessor`
 Inkling2ImageProcessorPil = Inkling2ImageProcessor
 
-__all__ = ["Inkling2ImageProcessor", "Inkling2ImageProcessorKwargs", "Inkling2ImageProcessorPil"]
+__all__ = ["DEFAULT_MAX_PIXELS", "Inkling2ImageProcessor", "Inkling2ImageProcessorKwargs", "Inkling2ImageProcessorPil"]

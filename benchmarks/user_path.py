@@ -15,7 +15,8 @@ Measured:
 2. prefill: 8k, 32k and 131k-token prompts through plain `generate(max_new_tokens=1)`: seconds and peak memory;
 3. cold start: a fresh process (`--cold-start`) builds the model, then the time from the model being ready to the
    first generated token of an 8k prompt: once with empty Triton / Inductor caches, once more with the caches the
-   first left (what every later process sees).
+   first left (what every later process sees);
+4. where a default batch-1 decode step's time goes: kernel time per token against wall time (torch.profiler).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site

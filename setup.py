@@ -7,6 +7,9 @@ from setuptools.command.build_py import build_py
 HUB_KERNELS = Path(__file__).resolve().parent / "hub_kernels"
 
 
+SERVE = ["fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.7", "prometheus-client>=0.20", "llguidance>=1.0"]
+
+
 class build_py_with_hub_kernel(build_py):
     """Also builds the hub kernel (`hub_kernels/build.py`) into the wheel, as
     `transformers_inkling2/hub_kernels/inkling2_moe/build/`, where `backends.kernel_loading` loads it. An editable
@@ -56,9 +59,12 @@ setup(
         "tml-renderers>=0.2.1",
     ],
     extras_require={
+        # `inkling2 serve`: the stack of transformers' own server; llguidance for grammar-constrained replies
+        "serve": SERVE,
         # transformers' built-in `inkling2` is the tests' oracle: 5.23 is the version whose numerics and parameter
         # names the tests compare against (5.24 renamed its attention parameters)
-        "test": ["transformers==5.23.0", "pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1", "peft>=0.21"],
+        "test": ["transformers==5.23.0", "pytest>=8", "tiktoken>=0.9", "openai>=1.0", "jinja2>=3.1", "peft>=0.21",
+                 *SERVE],  # fmt: skip
     },
     entry_points={"console_scripts": ["inkling2=transformers_inkling2_cli:main"]},
 )

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(CUDA graphs on a GPU, captured once)",
     )
     serve.add_argument("--compile", action="store_true", help=COMPILE_HELP)
+    add_server_limits(serve)
     quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
     quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
     quantize.add_argument("target", help="output folder")
@@ -94,6 +95,37 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     train.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def add_server_limits(serve: argparse.ArgumentParser) -> None:
+    """Access and bounds of `inkling2 serve` (docs/serving.md: the security model). Left out, each takes
+    `ServerSettings`' default, which docs/serving.md lists."""
+    access = serve.add_argument_group("access")
+    access.add_argument("--api-key", help="required as 'Authorization: Bearer KEY' on /v1/* (default: $INKLING2_API_KEY)")
+    access.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests replace the chat template (chat_template, chat_template_kwargs.chat_template)",
+    )
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-model-len", type=int, help="prompt + max_tokens, in tokens (default: the model's)")
+    limits.add_argument("--max-request-bytes", type=int)
+    limits.add_argument("--max-images-per-request", type=int)
+    limits.add_argument(
+        "--max-image-pixels", type=int, help="images are downscaled to this many pixels"
+    )
+    limits.add_argument("--max-waiting", type=int, help="requests queued; beyond: 503 with Retry-After")
+    limits.add_argument("--max-connections", type=int, help="open connections; beyond: 503")
+    limits.add_argument("--keep-alive-timeout", type=float, help="seconds an idle connection stays open")
+    media = serve.add_argument_group("image URLs")
+    media.add_argument("--max-media-bytes", type=int)
+    media.add_argument("--media-timeout", type=float, help="seconds for one image, redirects included")
+    media.add_argument(
+        "--allowed-media-domains", nargs="+", metavar="DOMAIN", help="fetch http(s) images only from these domains"
+    )
+    media.add_argument(
+        "--allowed-local-media-path", metavar="DIR", help="let requests read image files under DIR (default: never)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

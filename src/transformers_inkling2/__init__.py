@@ -130,6 +130,8 @@ _LAZY_NAMES = {
     "DEFAULT_LORA_TARGET_MODULES": "finetuning",
     "refuse_lora_on_quantized_experts": "finetuning",
     "serve": "serving.server",
+    "Inkling2Server": "serving.server",
+    "ServerSettings": "serving.settings",
 }
 
 

@@ -126,9 +126,51 @@ def run_quantize(args: argparse.Namespace) -> None:
     print(f"[quantize] wrote {target}")
 
 
-def run_serve(args: argparse.Namespace) -> None:
-    from .serving.server import serve
+def server_settings(args: argparse.Namespace, model_id: str, effort):
+    """`ServerSettings` from the flags; a flag left out keeps the settings' default."""
+    from .serving.media import MediaPolicy
+    from .serving.settings import ServerSettings
 
+    def given(**fields):
+        return {name: value for name, value in fields.items() if value is not None}
+
+    media = MediaPolicy(**given(
+        max_bytes=args.max_media_bytes,
+        timeout_s=args.media_timeout,
+        allowed_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
+        allowed_local_path=args.allowed_local_media_path,
+    ))  # fmt: skip
+    return ServerSettings(media=media, trust_request_chat_template=args.trust_request_chat_template, **given(
+        model_id=model_id,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_model_len=args.max_model_len,
+        default_max_tokens=args.max_tokens,
+        default_effort=effort,
+        max_request_bytes=args.max_request_bytes,
+        max_images_per_request=args.max_images_per_request,
+        max_image_pixels=args.max_image_pixels,
+        max_waiting=args.max_waiting,
+        max_connections=args.max_connections,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+    ))  # fmt: skip
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        from .serving.server import serve
+    except ModuleNotFoundError as error:
+        raise SystemExit(f"inkling2 serve needs {error.name}: pip install 'transformers-inkling2[serve]'") from None
+
+    effort = args.effort
+    if effort is not None and effort.replace(".", "", 1).isdigit():
+        effort = float(effort)
+    model_id = args.model_id or (args.model.rstrip("/").split("/")[-1] if args.model else "inkling2-tiny-random")
+    try:  # bad flags fail before the model loads
+        settings = server_settings(args, model_id, effort)
+    except ValueError as error:
+        raise SystemExit(f"inkling2 serve: {error}") from None
     compile_steps = compile_config(args)
     device = resolve_device(args.device)
     model, processor, tokenizer = load(args.model, device, resolve_dtype(args.dtype, device))
@@ -140,11 +182,10 @@ def run_serve(args: argparse.Namespace) -> None:
         model.generation_config.cache_implementation = "static"
         model.generation_config.max_cache_len = args.static_cache
     model.generation_config.compile_config = compile_steps
-    effort = args.effort
-    if effort is not None and effort.replace(".", "", 1).isdigit():
-        effort = float(effort)
-    model_id = args.model_id or (args.model.rstrip("/").split("/")[-1] if args.model else "inkling2-tiny-random")
-    serve(model, tokenizer, processor, args.host, args.port, model_id, args.max_tokens, effort)
+    try:
+        serve(model, tokenizer, processor, settings)
+    except ValueError as error:  # settings the model contradicts (--max-model-len above its positions, --effort)
+        raise SystemExit(f"inkling2 serve: {error}") from None
 
 
 def run_plan(args: argparse.Namespace) -> None:

@@ -1,8 +1,9 @@
 """`inkling2 serve` end to end: the real `openai` client against the server on loopback, in-process.
 
-Most tests script the model's text (the server takes an injectable generation function), so they can check that
-reasoning, content and tool calls reach the client as OpenAI's fields; one runs the embedded tiny model. Every
-request is bounded (client timeout, no retries) and the server, with its request threads, is stopped at the end.
+Most tests script the model's text (the server takes an injectable backend), so they can check that reasoning,
+content and tool calls reach the client as OpenAI's fields; some run the embedded tiny model. Every request is
+bounded (client timeout, no retries) and the server, with its threads, is stopped at the end. Attacks and bad input:
+test_abuse.py.
 """
 
 import json
@@ -13,12 +14,9 @@ import pytest
 import torch
 
 from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
-from transformers_inkling2.serving.server import (
-    ChatCompletions,
-    Inkling2Server,
-    model_generate_fn,
-    to_template_messages,
-)
+from transformers_inkling2.serving.chat import to_template_messages
+from transformers_inkling2.serving.protocol import ChatMessage
+from transformers_inkling2.serving.server import Inkling2Server, ServerSettings, build_app, model_app
 from transformers_inkling2.tiny import build_tiny_causal_lm
 from transformers_inkling2_cli import build_parser
 
@@ -50,22 +48,37 @@ FULL_TURN = [
 
 
 class Script:
-    """A generation function that replays scripted text and records what it was asked."""
+    """A backend that replays scripted text (token counts from the tokenizer) and records the jobs it ran."""
 
-    def __init__(self):
+    def __init__(self, tok):
+        self.tok = tok
         self.chunks = FULL_TURN
-        self.calls = []
+        self.jobs = []
         self.closed = threading.Event()
         self.delay = 0.0
 
-    def __call__(self, inputs, params):
-        self.calls.append((inputs, params))
+    def __call__(self, job):
+        self.jobs.append(job)
         try:
             for chunk in self.chunks:
+                if job.cancelled.is_set():
+                    return
                 time.sleep(self.delay)
-                yield chunk
+                job.emit(chunk, len(self.tok(chunk, add_special_tokens=False)["input_ids"]))
         finally:
             self.closed.set()
+
+    def tokens(self) -> int:
+        return sum(len(self.tok(chunk, add_special_tokens=False)["input_ids"]) for chunk in self.chunks)
+
+
+def start_server(tok, backend, processor=None, **settings) -> Inkling2Server:
+    settings = ServerSettings(**{"model_id": "inkling2-test", "port": 0, "max_model_len": 4096, **settings})
+    return Inkling2Server(build_app(tok, backend, settings, processor)).start()
+
+
+def openai_client(server: Inkling2Server, api_key: str = "unused", timeout: float = 15):
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +100,14 @@ def processor(tok):
 
 
 @pytest.fixture(scope="module")
-def script():
-    return Script()
+def script(tok):
+    return Script(tok)
 
 
 @pytest.fixture(scope="module")
 def server(tok, script):
     threads_before = set(threading.enumerate())
-    srv = Inkling2Server(ChatCompletions(tok, script, model_id="inkling2-test"), host="127.0.0.1", port=0).start()
+    srv = start_server(tok, script)
     yield srv
     srv.stop()
     leftover = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
@@ -103,14 +116,17 @@ def server(tok, script):
 
 @pytest.fixture()
 def client(server, script):
-    script.chunks, script.delay, script.calls[:] = FULL_TURN, 0.0, []
+    script.chunks, script.delay, script.jobs[:] = FULL_TURN, 0.0, []
     script.closed.clear()
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=15)
+    return openai_client(server)
+
+
+def prompt_ids(script):
+    return script.jobs[-1].inputs["input_ids"][0]
 
 
 def prompt_text(tok, script):
-    inputs, _ = script.calls[-1]
-    return tok.decode(inputs["input_ids"][0], skip_special_tokens=False)
+    return tok.decode(prompt_ids(script), skip_special_tokens=False)
 
 
 def test_models(client):
@@ -135,8 +151,8 @@ def test_chat_completion_returns_reasoning_content_and_tool_calls(tok, client, s
     assert tool_call.type == "function" and tool_call.id.startswith("call_")
     assert tool_call.function.name == "get_weather"
     assert json.loads(tool_call.function.arguments) == {"city": "San Francisco", "days": [1, 2]}
-    assert reply.usage.prompt_tokens == script.calls[-1][0]["input_ids"].shape[-1]
-    assert reply.usage.completion_tokens == len(tok("".join(FULL_TURN), add_special_tokens=False)["input_ids"])
+    assert reply.usage.prompt_tokens == len(prompt_ids(script))
+    assert reply.usage.completion_tokens == script.tokens()  # what the backend counted, not re-tokenized text
     # the prompt: system, tool_declare, effort 0.2, user, generation prompt; sampling parameters passed through
     assert prompt_text(tok, script) == tok.apply_chat_template(
         [{"role": "system", "content": "Be useful."}, {"role": "user", "content": "Weather in SF?"}],
@@ -146,7 +162,7 @@ def test_chat_completion_returns_reasoning_content_and_tool_calls(tok, client, s
         tokenize=False,
     )
     assert "Thinking effort level: 0.2" in prompt_text(tok, script)
-    params = script.calls[-1][1]
+    params = script.jobs[-1].params
     assert (params.max_new_tokens, params.temperature) == (64, 0.0)
 
 
@@ -179,8 +195,10 @@ def test_streaming_sends_reasoning_content_and_tool_call_deltas(client):
 
 
 def test_truncated_reply_finishes_with_length(client, script):
-    script.chunks = [f"{THINK}still thinking when max_tokens hit"]
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=8)
+    script.chunks = [f"{THINK}still thinking when max_tokens hit"]  # as many tokens as max_tokens, no end of turn
+    reply = client.chat.completions.create(
+        model="inkling2-test", messages=[{"role": "user", "content": "q"}], max_tokens=script.tokens()
+    )
     assert reply.choices[0].finish_reason == "length"
     assert reply.choices[0].message.model_extra["reasoning_content"] == "still thinking when max_tokens hit"
     assert reply.choices[0].message.content == ""
@@ -190,7 +208,7 @@ def test_malformed_tool_call_is_reported_not_raised(client, script):
     script.chunks = [
         f"{TEXT}ok{END}{MODEL}get_weather<|content_invoke_tool_json|>" + '{"name":"get_weather","args":{"ci' + END + EOT
     ]
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], tools=[WEATHER])
+    reply = client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}], tools=[WEATHER])
     message = reply.choices[0].message
     assert message.content == "ok" and message.tool_calls is None
     assert reply.choices[0].finish_reason == "stop"
@@ -201,7 +219,7 @@ def test_malformed_tool_call_is_reported_not_raised(client, script):
 def test_multi_turn_history_renders_like_tml(tok, client, script):
     """The client sends back our tool call (JSON-string arguments) and a tool result with only tool_call_id."""
     first = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Weather in SF?"}], tools=[WEATHER]
+        model="inkling2-test", messages=[{"role": "user", "content": "Weather in SF?"}], tools=[WEATHER]
     )
     assistant = first.choices[0].message.model_dump(exclude_none=True)
     assistant.pop("reasoning", None)  # keep one name for the reasoning, as clients usually do
@@ -213,7 +231,7 @@ def test_multi_turn_history_renders_like_tml(tok, client, script):
         assistant,
         {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
     ]
-    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER], reasoning_effort="high")
+    second = client.chat.completions.create(model="inkling2-test", messages=history, tools=[WEATHER], reasoning_effort="high")
     assert second.choices[0].message.content == "It is sunny."
     assert second.choices[0].finish_reason == "stop"
 
@@ -237,15 +255,15 @@ def test_multi_turn_history_renders_like_tml(tok, client, script):
     renderer = v0.Renderer(tokenizers.O200kBaseChatTokenizer())
     spans, _ = renderer.render_for_completion_with_effort(tml_chat.MessageList.from_oss_messages(tml_messages), 0.9)
     expected = [t for span in spans for t in span.span.int_tokens] + [200001]
-    assert script.calls[-1][0]["input_ids"][0].tolist() == expected
+    assert prompt_ids(script).tolist() == expected
 
 
 @pytest.mark.parametrize(
     "request_fields,message",
     [
-        ({"messages": [{"role": "robot", "content": "x"}]}, "Unsupported role 'robot'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}, "thinking effort"),
-        ({"messages": []}, "non-empty list"),
+        ({"messages": []}, "at least 1 item"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
@@ -255,12 +273,14 @@ def test_multi_turn_history_renders_like_tml(tok, client, script):
 )
 def test_bad_requests_get_400(client, request_fields, message):
     with pytest.raises(openai.BadRequestError, match=message):
-        client.chat.completions.create(model="m", **request_fields)
+        client.chat.completions.create(model="inkling2-test", **request_fields)
 
 
 def test_client_leaving_mid_stream_stops_generation(client, script):
     script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 2000, 0.005  # ~10 s if nobody stops it
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], stream=True)
+    stream = client.chat.completions.create(
+        model="inkling2-test", messages=[{"role": "user", "content": "q"}], stream=True
+    )
     start = time.monotonic()
     for index, _ in enumerate(stream):
         if index == 3:
@@ -270,76 +290,114 @@ def test_client_leaving_mid_stream_stops_generation(client, script):
     assert time.monotonic() - start < 5
 
 
-def test_images_go_through_the_processor(tok, processor, script):
-    """An image_url part reaches the processor: pixel values and one placeholder per image feature."""
+def test_client_leaving_a_non_streaming_request_stops_generation(server, client, script):
+    script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 2000, 0.005
+    impatient = openai_client(server, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
+    assert script.closed.wait(5), "generation kept running after the client left"
+    assert script.jobs[-1].cancelled.is_set()
+    metrics = client.with_options(base_url=server.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
+    assert 'inkling2:request_success_total{finished_reason="abort",model_name="inkling2-test"}' in metrics
+
+
+def png_data_url(width: int, height: int, color=(10, 200, 30)) -> str:
     import base64
     import io
 
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.new("RGB", (120, 80), (10, 200, 30)).save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    app = ChatCompletions(tok, script, processor=processor)
-    with Inkling2Server(app, port=0).start() as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=15)
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(url: str, text: str = "What is it?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_images_go_through_the_processor(tok, processor, script):
+    """An image_url part reaches the processor: pixel values and one placeholder per image feature."""
+    with start_server(tok, script, processor) as srv:
         script.chunks = [f"{TEXT}A green rectangle.{END}{EOT}"]
-        reply = client.chat.completions.create(
-            model="m",
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "What is it?"},
-                        {"type": "image_url", "image_url": {"url": url}},
-                    ],
-                }
-            ],
+        reply = openai_client(srv).chat.completions.create(
+            model="inkling2-test", messages=image_message(png_data_url(120, 80))
         )
     assert reply.choices[0].message.content == "A green rectangle."
-    inputs, _ = script.calls[-1]
+    inputs = script.jobs[-1].inputs
     assert "pixel_values" in inputs and "image_grid_thw" in inputs
     features = int(inputs["image_grid_thw"].prod())
     assert features == (80 // 40) * (120 // 40 + 1)  # a width that is a multiple of 40 gets an extra column
     assert inputs["input_ids"][0].tolist().count(tok.convert_tokens_to_ids("<|unused_200054|>")) == features
 
 
+def test_a_large_image_is_downscaled_to_the_pixel_budget(tok, processor, script):
+    with start_server(tok, script, processor, max_image_pixels=200 * 200) as srv:
+        script.chunks = [f"{TEXT}ok{END}{EOT}"]
+        reply = openai_client(srv).chat.completions.create(
+            model="inkling2-test", messages=image_message(png_data_url(1600, 800))
+        )
+    assert reply.choices[0].message.content == "ok"
+    assert int(script.jobs[-1].inputs["image_grid_thw"].prod()) <= 200 * 200 // 1600
+
+
 def test_the_tiny_model_end_to_end(tok, tiny_model):
-    """The real generation path: model.generate in a worker thread, streamed text, parsed, a few tokens."""
-    app = ChatCompletions(tok, model_generate_fn(tiny_model, tok), model_id="tiny")
+    """The real generation path: model.generate in the worker thread, streamed text, parsed; usage counts the
+    generated tokens themselves."""
+    settings = ServerSettings(model_id="tiny", port=0)
     threads_before = set(threading.enumerate())
-    with Inkling2Server(app, port=0).start() as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=30)
+    with Inkling2Server(model_app(tiny_model, tok, settings)).start() as srv:
+        client = openai_client(srv, timeout=30)
         messages = [{"role": "user", "content": "Hello"}]
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
         chunks = list(
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, stream=True)
         )
     assert set(threading.enumerate()) - threads_before == set()
-    assert 1 <= reply.usage.completion_tokens <= 6  # retokenized text: at most one more than generated
-    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with torch.no_grad():  # what generate() writes for this prompt
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+        output = tiny_model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    generated = output[0, prompt.shape[1] :]
+    assert reply.usage.completion_tokens == len(generated)
+    assert reply.usage.prompt_tokens == prompt.shape[1]
+    assert reply.choices[0].finish_reason == ("length" if len(generated) == 5 else "stop")
     # greedy: the stream carries the same reply
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == (reply.choices[0].message.content or "")
     assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
-    with torch.no_grad():  # and it is what generate() writes for this prompt
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-        output = tiny_model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     from transformers_inkling2.processing.response_parsing import parse_response
 
-    assert (parse_response(output[0, prompt.shape[1] :], tok)["content"] or None) == reply.choices[0].message.content
+    assert (parse_response(generated, tok)["content"] or None) == reply.choices[0].message.content
+
+
+def test_dspark_serves(tok):
+    """`inkling2 serve --dspark`: every request went to generate(dspark=True) with the server's stopping criteria
+    (it failed with 'list' object is not callable), and the acceptance reaches /metrics."""
+    from transformers_inkling2.tiny import build_tiny_model
+
+    model = build_tiny_model(dspark=True).eval()
+    model.generation_config.dspark = True
+    with Inkling2Server(model_app(model, tok, ServerSettings(model_id="tiny", port=0))).start() as srv:
+        client = openai_client(srv, timeout=60)
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0
+        )
+        metrics = client.with_options(base_url=srv.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
+    assert reply.usage.completion_tokens >= 1
+    steps = [line for line in metrics.splitlines() if line.startswith("inkling2:spec_decode_num_steps_total")]
+    assert steps and float(steps[0].split()[-1]) >= 1
 
 
 def test_a_static_cache_serves_every_request(tok, tiny_model, monkeypatch):
     """`inkling2 serve --static-cache N`: one static cache of N tokens, reused by every request (the server generates
     under inference mode), with the same greedy replies."""
-    app = ChatCompletions(tok, model_generate_fn(tiny_model, tok), model_id="tiny")
 
     def ask(text):
-        with Inkling2Server(app, port=0).start() as srv:
-            client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=30)
+        with Inkling2Server(model_app(tiny_model, tok, ServerSettings(model_id="tiny", port=0))).start() as srv:
             messages = [{"role": "user", "content": text}]
-            return client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+            return openai_client(srv, timeout=30).chat.completions.create(
+                model="tiny", messages=messages, max_tokens=5, temperature=0
+            )
 
     expected = [ask(text).choices[0].message.content for text in ("Hello", "A longer question, please")]
     monkeypatch.setattr(tiny_model.generation_config, "cache_implementation", "static")
@@ -350,11 +408,56 @@ def test_a_static_cache_serves_every_request(tok, tiny_model, monkeypatch):
     assert tiny_model._static_cache is cache
 
 
+def test_stop_sequences_end_the_reply_before_them(client, script):
+    script.chunks = [f"{TEXT}one two ", "thr", "ee four five", f"{END}{EOT}"]
+    reply = client.chat.completions.create(
+        model="inkling2-test", messages=[{"role": "user", "content": "count"}], stop=["three", "zzz"]
+    )
+    assert reply.choices[0].message.content == "one two "
+    assert reply.choices[0].finish_reason == "stop"
+    assert script.jobs[-1].cancelled.is_set()  # the generation was stopped there
+
+
+def test_a_full_queue_answers_503_with_retry_after(tok, script):
+    script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 40, 0.02
+    with start_server(tok, script, max_waiting=1) as srv:
+        results = []
+
+        def ask():
+            try:
+                openai_client(srv).chat.completions.create(
+                    model="inkling2-test", messages=[{"role": "user", "content": "q"}]
+                )
+                results.append(200)
+            except openai.APIStatusError as error:
+                results.append((error.status_code, error.response.headers.get("retry-after")))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join(30)
+    assert results.count(200) == 2  # one running, one waiting
+    assert sorted(r for r in results if r != 200) == [(503, "1"), (503, "1")]
+
+
+def test_metrics_count_requests_and_tokens(server, client, script):
+    client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
+    text = client.with_options(base_url=server.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("inkling2:")}
+    assert values["inkling2:num_requests_running"] == 0 and values["inkling2:num_requests_waiting"] == 0
+    assert values["inkling2:generation_tokens_total"] >= script.tokens()
+    assert values["inkling2:prompt_tokens_total"] >= len(prompt_ids(script))
+    assert values["inkling2:time_to_first_token_seconds_count"] >= 1
+    assert values["inkling2:inter_token_latency_seconds_count"] >= 1
+
+
 def test_openai_messages_become_template_messages():
-    converted = to_template_messages(
-        [
+    messages = [
+        ChatMessage.model_validate(message)
+        for message in [
             {"role": "developer", "content": "d"},
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
             {
                 "role": "assistant",
                 "tool_calls": [
@@ -362,13 +465,15 @@ def test_openai_messages_become_template_messages():
                 ],
             },
         ]
-    )
+    ]
+    converted = to_template_messages(messages)
     assert converted[0] == {"role": "system", "content": "d"}
-    assert converted[1]["content"] == [{"type": "image", "url": "data:image/png;base64,AA"}]
-    assert converted[2]["tool_calls"][0]["function"]["arguments"] == {"b": 1, "a": 2}
+    assert converted[1]["tool_calls"][0]["function"]["arguments"] == {"b": 1, "a": 2}
 
 
 def test_serve_subcommand_parses():
     args = build_parser().parse_args(["serve", "--port", "0", "--effort", "high", "--max-tokens", "16"])
     assert (args.command, args.port, args.effort, args.max_tokens, args.host) == ("serve", 0, "high", 16, "127.0.0.1")
     assert build_parser().parse_args(["serve", "--static-cache", "4096"]).static_cache == 4096
+    args = build_parser().parse_args(["serve", "--api-key", "k" * 16, "--allowed-media-domains", "a.org", "b.org"])
+    assert (args.api_key, args.allowed_media_domains, args.max_waiting) == ("k" * 16, ["a.org", "b.org"], None)

@@ -1,0 +1,73 @@
+"""Everything `inkling2 serve` can be told, with safe defaults: loopback only, no local files, public media
+addresses only, bounded bodies, prompts, images and queues. `ServerSettings` is what the CLI flags fill in."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+
+from .media import MediaPolicy
+
+DEFAULT_MAX_TOKENS = 1024
+MAX_REQUEST_BYTES = 32 * 1024 * 1024  # images arrive inline as base64: a few 20 MB-capped images at most
+MAX_IMAGES_PER_REQUEST = 8
+# one image token covers a 40x40 cell: 4,194,304 pixels keep one image to at most about 2,600 image tokens
+MAX_IMAGE_PIXELS = 2048 * 2048
+
+
+@dataclass
+class ServerSettings:
+    """Limits and policies of one server. `max_model_len=None`: the model's `max_position_embeddings`."""
+
+    model_id: str = "inkling-2-small"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_model_len: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_effort: str | float | None = None  # None: the template's default (0.9)
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # images are downscaled to this budget (aspect ratio kept)
+    max_waiting: int = 64
+    retry_after_s: int = 1
+    keep_alive_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0  # for the body to arrive (slow senders)
+    max_connections: int = 256
+    trust_request_chat_template: bool = False
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+
+    def __post_init__(self):
+        if self.api_key is None:
+            self.api_key = os.environ.get("INKLING2_API_KEY") or None
+        positive = ("default_max_tokens", "max_request_bytes", "max_images_per_request", "max_image_pixels",
+                    "max_waiting", "max_connections")  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        for name in ("keep_alive_timeout_s", "request_timeout_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)!r}")
+        if self.api_key is not None and len(self.api_key) < 8:
+            raise ValueError("the API key is shorter than 8 characters: pick a long random one (e.g. `openssl rand -hex 32`)")
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Bound beyond loopback with no API key: anyone who reaches the port can use the model."""
+        return self.api_key is None and not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+__all__ = ["ServerSettings", "is_loopback"]

@@ -19,6 +19,7 @@ import socket
 import threading
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import Inkling2App
 from .chat import ChatCompletions
@@ -52,10 +53,55 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _RequestHeadTimeout(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, which closes a connection idle between requests (`timeout_keep_alive`) but not
+    one that never completes a request's head (slowloris): each would hold one of `--max-connections` forever. This
+    closes a connection whose request line and headers have not arrived within `head_timeout_s` of its opening or of
+    its last response. (A body that trickles is the app's: `request_timeout_s`, answered with 408.)"""
+
+    head_timeout_s = 30.0
+    _head_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        waiting_for_a_request = self.cycle is None or self.cycle.response_complete
+        if waiting_for_a_request and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._cancel_head_timer()  # a request's head arrived
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+
 def _uvicorn_config(app: Inkling2App, log_level: str) -> uvicorn.Config:
     settings = app.settings
+    protocol = type("Inkling2HTTPProtocol", (_RequestHeadTimeout,), {"head_timeout_s": settings.request_timeout_s})
     return uvicorn.Config(
         app.app,
+        http=protocol,
         log_level=log_level,
         access_log=log_level in ("info", "debug"),
         timeout_keep_alive=settings.keep_alive_timeout_s,

@@ -33,7 +33,7 @@ class ServerSettings:
     max_waiting: int = 64
     retry_after_s: int = 1
     keep_alive_timeout_s: float = 5.0
-    request_timeout_s: float = 30.0  # for the body to arrive (slow senders)
+    request_timeout_s: float = 30.0  # for a request's head, and then its body, to arrive (slow senders)
     max_connections: int = 256
     trust_request_chat_template: bool = False
     media: MediaPolicy = field(default_factory=MediaPolicy)

@@ -477,3 +477,66 @@ def test_serve_subcommand_parses():
     assert build_parser().parse_args(["serve", "--static-cache", "4096"]).static_cache == 4096
     args = build_parser().parse_args(["serve", "--api-key", "k" * 16, "--allowed-media-domains", "a.org", "b.org"])
     assert (args.api_key, args.allowed_media_domains, args.max_waiting) == ("k" * 16, ["a.org", "b.org"], None)
+
+
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "precise": {"type": "boolean"}},
+            "required": ["unit", "precise"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tok, tiny_model):
+    with Inkling2Server(model_app(tiny_model, tok, ServerSettings(model_id="tiny", port=0))).start() as srv:
+        yield srv
+
+
+DAY = {
+    "type": "function",
+    "function": {
+        "name": "pick_day",
+        "parameters": {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 7}},
+                       "required": ["day"], "additionalProperties": False},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_tool_choice_required_or_named_makes_the_random_model_call_an_offered_tool(tiny_server, tool_choice):
+    """Bounded argument schemas: random weights never end an unbounded string (the grammar would hold, the reply
+    would be cut off by max_tokens)."""
+    reply = openai_client(tiny_server, timeout=120).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Use celsius."}], tools=[DAY, UNIT],
+        tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=128, temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "set_unit":
+        assert arguments["unit"] in ("celsius", "fahrenheit") and isinstance(arguments["precise"], bool)
+    else:
+        assert call.function.name == "pick_day" and tool_choice == "required"
+        assert 1 <= arguments["day"] <= 7
+
+
+def test_a_json_schema_response_format_makes_the_random_model_write_matching_json(tiny_server):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+    }
+    reply = openai_client(tiny_server, timeout=120).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Is it?"}], max_tokens=96, temperature=0.8, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+    )  # fmt: skip
+    content = json.loads(reply.choices[0].message.content)
+    assert content["answer"] in ("yes", "no") and isinstance(content["sure"], bool) and set(content) == set(schema["properties"])

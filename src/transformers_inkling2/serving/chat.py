@@ -124,7 +124,7 @@ class ChatCompletions:
         inputs = self._render(request, messages, images > 0)
         prompt_tokens = int(inputs["input_ids"].shape[-1])
         params = self._sampling(request, prompt_tokens)
-        return PreparedRequest(request, inputs, params, prompt_tokens, self._constraints(request, prompt_tokens))
+        return PreparedRequest(request, inputs, params, prompt_tokens, self._constraints(request, params, prompt_tokens))
 
     def _template_kwargs(self, request: ChatCompletionRequest) -> dict:
         kwargs = dict(request.chat_template_kwargs or {})
@@ -187,8 +187,9 @@ class ChatCompletions:
             seed=request.seed,
         )
 
-    def _constraints(self, request: ChatCompletionRequest, prompt_tokens: int) -> list:
-        """The grammar processor for tool_choice "required" / named and json_object / json_schema, else none."""
+    def _constraints(self, request: ChatCompletionRequest, params: SamplingParams, prompt_tokens: int) -> list:
+        """The grammar processor for tool_choice "required" / named and json_object / json_schema, else none. The
+        reasoning before a constrained reply gets at most half of max_tokens, so the reply itself has room."""
         from ..generation.constrained import GrammarLogitsProcessor, reply_grammar
 
         tool_choice = request.tool_choice
@@ -198,9 +199,15 @@ class ChatCompletions:
             request.response_format) else None  # fmt: skip
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
         try:
-            grammar = reply_grammar(tools=tools, tool_choice=tool_choice, response_format=response_format)
+            grammar = reply_grammar(
+                tools=tools,
+                tool_choice=tool_choice,
+                response_format=response_format,
+                parallel_tool_calls=request.parallel_tool_calls is not False,
+                max_thinking_tokens=params.max_new_tokens // 2,
+            )
         except ValueError as error:
-            raise RequestError(str(error), "response_format" if response_format else "tool_choice") from None
+            raise RequestError(str(error)[:1000], "response_format" if response_format else "tool_choice") from None
         if grammar is None:
             return []
         return [GrammarLogitsProcessor(self.tokenizer, grammar, prompt_tokens)]

@@ -1,10 +1,15 @@
 """The static cache (`cache/static.py`): the same logits as the growing `Inkling2Cache` (fp32, 1e-4), the same greedy
-tokens through generate(), DSpark over it (rows shifted in its rings), and its errors. The decode-step runner over it
-(CUDA graphs, compiled steps): `tests/generation/test_decode_graphs.py`."""
+tokens through generate(), DSpark over it (rows shifted in its rings), its errors, and a decode step's index arithmetic
+done once for all layers. The decode-step runner over it (CUDA graphs, compiled steps):
+`tests/generation/test_decode_graphs.py`."""
+
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
 from inkling2_helpers import (
+    ORACLE_TEXT_CONFIG,
     STEPS,
     assert_same_logits,
     build_pair,
@@ -14,10 +19,12 @@ from inkling2_helpers import (
     plant_drafts,
     run_steps,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformers_inkling2 import Inkling2Cache, Inkling2StaticCache
+from transformers_inkling2 import Inkling2Cache, Inkling2ForCausalLM, Inkling2StaticCache, Inkling2TextConfig
 from transformers_inkling2.cache.common import initial_slot_positions, shift_rows_right
 from transformers_inkling2.generation import dspark as dspark_generation
+from transformers_inkling2.tiny import randomize_
 
 BACKENDS = ["eager", "inkling2_decode", "inkling2_flex", "inkling2_flex_decode"]
 
@@ -133,6 +140,42 @@ def test_drafts_over_the_static_context_equal_drafts_over_the_growing_one(monkey
     assert len(recorded[None]) == len(recorded["static"]) > 3
     for dynamic, static in zip(recorded[None], recorded["static"]):
         assert torch.equal(dynamic, static)
+
+
+class CacheOperations(TorchDispatchMode):
+    """Counts the operations that the package's caches run, views left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        in_cache = any(Path(frame.filename).parts[-3:-1] == ("transformers_inkling2", "cache")
+                       for frame in traceback.extract_stack())  # fmt: skip
+        self.count += in_cache and not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def cache_operations_of_a_decode_step(layers: int) -> int:
+    config = Inkling2TextConfig(**{**ORACLE_TEXT_CONFIG, "num_hidden_layers": layers})
+    model = randomize_(Inkling2ForCausalLM(config)).eval()
+    input_ids, attention_mask = left_padded_batch(seed=11, length=9, pad=2)
+    cache = Inkling2StaticCache(config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask, past_key_values=cache)
+        step_mask = torch.ones(2, 10, dtype=attention_mask.dtype)
+        with CacheOperations() as counted:
+            model(input_ids[:, :1], attention_mask=step_mask, past_key_values=cache)
+    return counted.count
+
+
+def test_a_decode_step_computes_its_slots_once_for_all_layers():
+    """The slots of the new token in every ring and which convolution inputs are still held depend on its position
+    only, computed once per step (`StepSlots`); a layer then only writes and reads its rings: 3 operations per
+    convolution, 4 for its keys and values (the arithmetic ran per ring: about 200 more small GPU launches per step
+    of a 6-layer slice)."""
+    per_layer = 4 * 3 + 4
+    assert cache_operations_of_a_decode_step(12) - cache_operations_of_a_decode_step(6) == 6 * per_layer
 
 
 def test_ring_shift_matches_the_contiguous_shift():

@@ -56,17 +56,27 @@ def initial_slot_positions(capacity: int, device) -> torch.Tensor:
     return torch.arange(capacity, device=device) - capacity
 
 
+def ring_slots(positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The slots of the last `capacity` positions in a ring of that size: position mod ring size."""
+    return positions[-capacity:].remainder(capacity)
+
+
 def write_by_position(
-    slot_positions: torch.Tensor, positions: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor, int]]
-) -> None:
+    slot_positions: torch.Tensor,
+    positions: torch.Tensor,
+    entries: list[tuple[torch.Tensor, torch.Tensor, int]],
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Stores new entries in position-indexed rings (slot = position mod ring size; the last `ring size` of them
-    when there are more) and records their positions. `entries`: (ring, new values, the dim both index by position)."""
+    when there are more) and records their positions. `entries`: (ring, new values, the dim both index by position).
+    `slots`: `ring_slots(positions, ring size)` when the caller already has them. Returns the slots written."""
     capacity = slot_positions.shape[0]
     positions = positions[-capacity:]
-    slots = positions.remainder(capacity)
+    slots = positions.remainder(capacity) if slots is None else slots
     for ring, new, dim in entries:
         ring.index_copy_(dim, slots, new.narrow(dim, new.shape[dim] - positions.numel(), positions.numel()))
     slot_positions.index_copy_(0, slots, positions)
+    return slots
 
 
 def join_convolution_context(history: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

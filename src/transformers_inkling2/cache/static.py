@@ -9,8 +9,13 @@ the tokens' positions; nothing is ever concatenated or reallocated while decodin
   slot = position mod ring size, and the position each slot holds (`slot_positions`), so a step of up to
   `max_queries` tokens writes first and then attends over the whole ring (attention backends take arbitrary key
   positions; the window and the bias follow from position differences);
-- the four short convolutions: a ring of `conv_kernel_size - 1 + rollback_margin` inputs, read by position;
+- the four short convolutions: a ring of `conv_kernel_size - 1 + rollback_margin` inputs, read by position; every
+  convolution sees every token, so all these rings hold the same positions, recorded once (`conv_positions`);
 - `key_valid` [batch, slots]: False for padding and never-written slots.
+
+The index arithmetic of a forward (slots, which convolution inputs are held) depends on its positions only: the
+model calls `begin_step` once before its layers, and every layer reuses the result (`StepSlots`) instead of
+recomputing it for each of its rings (about 200 small launches fewer per decode step of a 6-layer slice).
 
 Rolling back (`crop(-n)`, speculative decoding) only moves the host-side length back: the slots of the dropped
 tokens hold positions after every later query (masked as the future) until the next step overwrites them, which it
@@ -30,9 +35,41 @@ from .common import (
     RollbackWithinMargin,
     initial_slot_positions,
     join_convolution_context,
+    ring_slots,
     shift_rows_right,
     write_by_position,
 )
+
+
+class StepSlots:
+    """The index arithmetic of one forward over the static cache, done once for every layer: the new tokens' slots
+    in rings of each size, and where the short convolutions read their context. Made by `begin_step`, which also
+    records the new positions in the convolution rings' shared `conv_positions` (after reading which of the history
+    inputs they still hold: a long prompt may overwrite those slots)."""
+
+    def __init__(self, query_positions: torch.Tensor, conv_positions: torch.Tensor, kernel_size: int):
+        self.query_positions = query_positions
+        self._slots: dict[int, torch.Tensor] = {}
+        capacity, history = conv_positions.shape[0], kernel_size - 1
+        # the `kernel_size - 1` inputs before the step, zeros where a ring no longer (or never) held them
+        before = query_positions[0] - history + torch.arange(history, device=query_positions.device)
+        self.history_slots = before.remainder(capacity)
+        self.history_held = conv_positions[self.history_slots] == before  # bool: multiplies as 1.0 / 0.0
+        self.conv_write = self.slots(capacity)
+        # a step whose slots miss its history's writes first and then gathers its whole context from the ring (one
+        # gather instead of a gather and a cat); longer inputs keep the prompt layout of `join_convolution_context`
+        new_tokens = query_positions.numel()
+        self.reads_ring = new_tokens <= MAX_STEP_TOKENS and new_tokens + history <= capacity
+        if self.reads_ring:
+            self.context_slots = torch.cat([self.history_slots, self.conv_write])
+            self.context_held = torch.cat([self.history_held, self.conv_write.new_ones(new_tokens, dtype=torch.bool)])
+        conv_positions.index_copy_(0, self.conv_write, query_positions[-capacity:])
+
+    def slots(self, capacity: int) -> torch.Tensor:
+        """`ring_slots` of the step's positions for rings of `capacity`, computed once per size."""
+        if capacity not in self._slots:
+            self._slots[capacity] = ring_slots(self.query_positions, capacity)
+        return self._slots[capacity]
 
 
 class Inkling2StaticLayerCache(CacheLayerMixin):
@@ -47,7 +84,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         self.is_sliding, self.max_queries = is_sliding, max_queries
         self.history = history  # keys before a query that it may still see: sliding_window - 1
         self.conv_inputs: list[torch.Tensor | None] = [None] * NUM_CONVOLUTIONS
-        self.conv_positions: list[torch.Tensor | None] = [None] * NUM_CONVOLUTIONS
+        self.conv_positions: torch.Tensor | None = None  # shared by every ring (`Inkling2StaticCache.begin_step`)
         self.seen_tokens = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -68,23 +105,26 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
                 "`max_length`)."
             )
 
-    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
-        """Stores tokens at their slots (the last `capacity` of them when there are more)."""
-        write_by_position(self.slot_positions, positions, [(self.keys, keys, 2), (self.values, values, 2),
-                                                           (self.key_valid, valid, 1)])  # fmt: skip
+    def write(self, positions, keys, values, valid, slots=None) -> None:
+        """Stores tokens at their slots (the last `capacity` of them when there are more); `valid` None: no padding.
+        `slots`: `ring_slots(positions, capacity)` when the caller has them."""
+        entries = [(self.keys, keys, 2), (self.values, values, 2)]
+        if valid is not None:
+            entries.append((self.key_valid, valid, 1))
+        slots = write_by_position(self.slot_positions, positions, entries, slots)
+        if valid is None:  # every new token is a real key: one fill, no mask to build and copy
+            self.key_valid.index_fill_(1, slots, True)
 
-    def attention_keys(self, keys, values, query_positions, token_mask, attend_length):
+    def attention_keys(self, keys, values, query_positions, token_mask, attend_length, slots=None):
         """Writes the step's keys/values; returns what it attends to: (keys, values, key positions, key padding,
         whether the key positions ascend contiguously). With `attend_length` (a captured step, at most `max_queries`
         tokens) the full layers attend over that many slots and the host-side length is left to the runner: nothing
-        here then reads it, so the traced step does not depend on it."""
+        here then reads it, so the traced step does not depend on it. `slots`: the step's slots in this layer's
+        ring, when already computed (`StepSlots`)."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         new_tokens = keys.shape[2]
-        if token_mask is None:
-            valid = torch.ones(keys.shape[0], new_tokens, dtype=torch.bool, device=keys.device)
-        else:
-            valid = token_mask.bool()
+        valid = None if token_mask is None else token_mask.bool()
         if attend_length is None:
             self.check_room(new_tokens)
             past = self.seen_tokens
@@ -92,7 +132,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
             attend_length = past + new_tokens
 
         if not self.is_sliding:  # slot = position: the first `attend_length` slots, in order
-            self.write(query_positions, keys, values, valid)
+            self.write(query_positions, keys, values, valid, slots)
             length = attend_length
             return (
                 self.keys[:, :, :length],
@@ -102,21 +142,22 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
                 True,
             )
         if new_tokens <= self.max_queries:  # write, then attend over the whole ring
-            self.write(query_positions, keys, values, valid)
+            self.write(query_positions, keys, values, valid, slots)
             return self.keys, self.values, self.slot_positions, self.key_valid, False
         # a long chunk (prefill): the keys the window still reaches in position order, then the new ones
         held = min(past, self.history)
         positions = torch.arange(past - held, past, device=keys.device)
         order = positions.remainder(self.capacity)
         held_valid = self.key_valid.index_select(1, order) & (self.slot_positions.index_select(0, order) == positions)
+        new_valid = valid if valid is not None else held_valid.new_ones(keys.shape[0], new_tokens)
         attend = (
             torch.cat([self.keys.index_select(2, order), keys], dim=2),
             torch.cat([self.values.index_select(2, order), values], dim=2),
             torch.cat([positions, query_positions]),
-            torch.cat([held_valid, valid], dim=1),
+            torch.cat([held_valid, new_valid], dim=1),
             True,
         )
-        self.write(query_positions, keys, values, valid)
+        self.write(query_positions, keys, values, valid, slots)
         return attend
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -124,18 +165,19 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         positions = torch.arange(key_states.shape[2], device=key_states.device) + self.seen_tokens
         return self.attention_keys(key_states, value_states, positions, None, None)[:2]
 
-    def convolution_context(self, conv_idx, new_inputs, kernel_size, query_positions):
+    def convolution_context(self, conv_idx: int, new_inputs: torch.Tensor, step: StepSlots) -> torch.Tensor:
         """The `kernel_size - 1` inputs before `new_inputs` ([batch, C, T]), read from the ring by position (zeros
-        before the sequence start), joined with them; then writes the new inputs into the ring."""
+        where it does not hold them: before the sequence start), joined with them; the new inputs are written into
+        the ring (their positions already are, by `begin_step`)."""
         if self.conv_inputs[conv_idx] is None:
             self.conv_inputs[conv_idx] = new_inputs.new_zeros(*new_inputs.shape[:-1], self.conv_capacity)
-            self.conv_positions[conv_idx] = initial_slot_positions(self.conv_capacity, new_inputs.device)
-        ring, ring_positions = self.conv_inputs[conv_idx], self.conv_positions[conv_idx]
-        previous = query_positions[0] - (kernel_size - 1) + torch.arange(kernel_size - 1, device=ring.device)
-        slots = previous.remainder(self.conv_capacity)
-        held = (ring_positions[slots] == previous).to(ring.dtype)
-        context = join_convolution_context(ring.index_select(-1, slots) * held, new_inputs)
-        write_by_position(ring_positions, query_positions, [(ring, new_inputs, -1)])
+        ring, written = self.conv_inputs[conv_idx], step.conv_write.numel()
+        new_inputs_kept = new_inputs.narrow(-1, new_inputs.shape[-1] - written, written)
+        if step.reads_ring:  # the same values as below, in three launches
+            ring.index_copy_(-1, step.conv_write, new_inputs_kept)
+            return ring.index_select(-1, step.context_slots) * step.context_held
+        context = join_convolution_context(ring.index_select(-1, step.history_slots) * step.history_held, new_inputs)
+        ring.index_copy_(-1, step.conv_write, new_inputs_kept)
         return context
 
     def get_seq_length(self) -> int:
@@ -156,7 +198,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
             [(self.keys, self.slot_positions, 2), (self.values, self.slot_positions, 2)] if self.is_initialized else []
         )
         rings += [(self.key_valid, self.slot_positions, 1)] if self.is_initialized else []
-        return rings + [(r, p, -1) for r, p in zip(self.conv_inputs, self.conv_positions) if r is not None]
+        return rings + [(r, self.conv_positions, -1) for r in self.conv_inputs if r is not None]
 
     def shift_rows_right(self, shifts: torch.Tensor) -> None:
         """In place, like everything here, so that captured graphs keep reading the same buffers."""
@@ -173,10 +215,9 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         if self.is_initialized:
             self.key_valid.zero_()
             self.slot_positions.copy_(initial_slot_positions(self.capacity, self.device))
-        for ring, positions in zip(self.conv_inputs, self.conv_positions):
+        for ring in self.conv_inputs:
             if ring is not None:
-                ring.zero_()
-                positions.copy_(initial_slot_positions(self.conv_capacity, ring.device))
+                ring.zero_()  # (the shared `conv_positions` are reset by the cache)
 
 
 class Inkling2StaticCache(RollbackWithinMargin, Cache):
@@ -200,11 +241,15 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         config = config.get_text_config(decoder=True)
         self.rollback_margin, self.max_queries, self.max_cache_len = rollback_margin, max_queries, max_cache_len
         self.max_batch_size = max_batch_size  # checked at the first forward when given
+        self.conv_kernel_size = config.conv_kernel_size
+        self.conv_capacity = config.conv_kernel_size - 1 + rollback_margin
+        self.conv_positions: torch.Tensor | None = None  # what every convolution ring holds, made at `begin_step`
+        self.step: StepSlots | None = None  # the current forward's index arithmetic
         ring = config.sliding_window_size - 1 + max(max_queries, rollback_margin)
         layers = [
             Inkling2StaticLayerCache(
                 capacity=ring if layer_type == SLIDING_LAYER else max_cache_len,
-                conv_capacity=config.conv_kernel_size - 1 + rollback_margin,
+                conv_capacity=self.conv_capacity,
                 is_sliding=layer_type == SLIDING_LAYER,
                 max_queries=max_queries,
                 history=config.sliding_window_size - 1,
@@ -225,10 +270,29 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
                 f"This static cache was built for {self.max_batch_size} rows; the forward has {keys.shape[0]}."
             )
         token_mask = None if attention_mask is None else attention_mask[:, -keys.shape[2] :]
-        return self.layers[layer_idx].attention_keys(keys, values, query_positions, token_mask, self.attend_length)
+        layer = self.layers[layer_idx]
+        slots = self.step.slots(layer.capacity) if self.step_is_for(query_positions) else None
+        return layer.attention_keys(keys, values, query_positions, token_mask, self.attend_length, slots)
+
+    def begin_step(self, query_positions: torch.Tensor) -> None:
+        """Prepares a forward of tokens at `query_positions` (on the device): its index arithmetic, once for all
+        layers (`StepSlots`). The model calls it before its layers; a convolution read for other positions makes
+        its own."""
+        if self.conv_positions is None:
+            self.conv_positions = initial_slot_positions(self.conv_capacity, query_positions.device)
+            for layer in self.layers:
+                layer.conv_positions = self.conv_positions
+        self.step = StepSlots(query_positions, self.conv_positions, self.conv_kernel_size)
+
+    def step_is_for(self, query_positions: torch.Tensor) -> bool:
+        return self.step is not None and self.step.query_positions is query_positions
 
     def convolution_context(self, layer_idx, conv_idx, new_inputs, kernel_size, query_positions):
-        return self.layers[layer_idx].convolution_context(conv_idx, new_inputs, kernel_size, query_positions)
+        if kernel_size != self.conv_kernel_size:
+            raise ValueError(f"This cache holds inputs of {self.conv_kernel_size}-tap convolutions, not {kernel_size}.")
+        if not self.step_is_for(query_positions):
+            self.begin_step(query_positions)
+        return self.layers[layer_idx].convolution_context(conv_idx, new_inputs, self.step)
 
     def advance(self, new_tokens: int) -> None:
         """Counts tokens that a replayed graph wrote (its Python bookkeeping does not run)."""
@@ -237,7 +301,9 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.attend_length = None
+        self.attend_length, self.step = None, None
+        if self.conv_positions is not None:
+            self.conv_positions.copy_(initial_slot_positions(self.conv_capacity, self.conv_positions.device))
 
 
 __all__ = ["Inkling2StaticCache"]

@@ -640,6 +640,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             position_ids = query_positions[None]
         if static:  # it keeps the padding of the cached tokens itself
             attention_mask = self._new_tokens_mask(attention_mask, batch, length)
+            past_key_values.begin_step(query_positions)  # the step's slots, once for all layers
         else:
             attention_mask = self._padding_mask(attention_mask, batch, past_length + length)
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformers_inkling2 import Inkling2Config, Inkling2TextConfig
+from transformers_inkling2 import Inkling2Config, Inkling2StaticCache, Inkling2TextConfig
 
 
 def oracle_and_our_logits(dtype=torch.float32, seed=0, **overrides):
@@ -126,3 +127,35 @@ def test_hidden_states_equal_builtin():
         oracle_states = oracle.model(input_ids, output_hidden_states=True, use_cache=False).hidden_states
     assert len(ours_states) == len(oracle_states) == ORACLE_TEXT_CONFIG["num_hidden_layers"] + 1
     assert max((a - b).abs().max() for a, b in zip(ours_states, oracle_states)) <= 1e-4
+
+
+class Conversions(TorchDispatchMode):
+    """Records every dtype conversion: which tensor (storage, view, version) to which dtype. The converted tensors are
+    kept alive, so that no later tensor can reuse their memory and look like them."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.kept = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket is torch.ops.aten._to_copy and args[0].is_floating_point():
+            x = args[0]
+            view = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x._version)
+            self.seen.append((view, out.dtype))
+            self.kept.append(x)
+        return out
+
+
+def test_a_bf16_decode_step_converts_no_tensor_twice():
+    """Each reader of the layer input converted it to fp32 on its own (up to three launches for one conversion); a
+    decode step now converts every tensor at most once per dtype (on GPUs each conversion is a kernel launch)."""
+    model = build_pair(dtype=torch.bfloat16)[0]
+    input_ids, attention_mask = left_padded_batch(seed=3, length=9, pad=2)
+    cache = Inkling2StaticCache(model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask, past_key_values=cache)
+        with Conversions() as conversions:
+            model(input_ids[:, :1], attention_mask=torch.ones(2, 10, dtype=torch.long), past_key_values=cache)
+    assert len(conversions.seen) > 100 and len(set(conversions.seen)) == len(conversions.seen)

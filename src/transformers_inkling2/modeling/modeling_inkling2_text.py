@@ -41,7 +41,7 @@ from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, K
 from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
 from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
 from .norms import Inkling2RMSNorm, rms_normalize
-from .tensors import local_tensor
+from .tensors import fp32_operand, local_tensor, shared_fp32
 
 logger = logging.get_logger(__name__)
 
@@ -61,7 +61,7 @@ class Inkling2ScaledL2Clip(nn.Module):
         self.threshold = threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return l2_clip(x.float() * local_tensor(self.scale).float(), self.threshold)
+        return l2_clip(x.float() * fp32_operand(local_tensor(self.scale)), self.threshold)
 
 
 class Inkling2NormedEmbedding(nn.Embedding):
@@ -105,8 +105,8 @@ def convolution_context(
 
 
 def zero_padding(x: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Zeroes padded tokens so that they never leak into a convolution."""
-    return x if token_mask is None else x * token_mask[:, :, None].to(x.dtype)
+    """Zeroes padded tokens so that they never leak into a convolution (a bool mask multiplies as 1.0 / 0.0)."""
+    return x if token_mask is None else x * token_mask[:, :, None]
 
 
 class Inkling2ShortConvolution(nn.Module):
@@ -152,7 +152,7 @@ class Inkling2DynamicShortConvolution(nn.Module):
         lagged = context.unfold(-1, k, 1).flip(-1).transpose(1, 2)
         per_token_taps = self.weight_proj(tap_input).float().view(batch, length, -1, 1, k)
         heads = per_token_taps.shape[2]
-        static_taps = local_tensor(self.static_weight).float().T.reshape(heads, channels // heads, k)
+        static_taps = fp32_operand(local_tensor(self.static_weight)).T.reshape(heads, channels // heads, k)
         taps = (static_taps + per_token_taps).reshape(batch, length, channels, k)
         convolved = (lagged * taps).sum(-1)
         return ((convolved + x32) / math.sqrt(2 * k + 1)).to(x.dtype)
@@ -268,7 +268,7 @@ class Inkling2Attention(nn.Module):
             sliding_window=self.sliding_window,
             scaling=self.scaling,
         )
-        output = output.reshape(batch, length, -1).float() * torch.sigmoid(self.gate_proj(query_input).float())
+        output = fp32_operand(output.reshape(batch, length, -1)) * torch.sigmoid(self.gate_proj(query_input).float())
         return self.o_proj(output.to(dtype)), probabilities[0] if probabilities else None
 
 
@@ -385,6 +385,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None, output_attentions=False
     ):
         dtype = partial.dtype
+        partial = shared_fp32(partial)  # the mixes and the sum below each read it in fp32
         inputs = (partial,) if self.attention_input is None else self.attention_input(blocks, partial)
         if self.is_sliding:
             query_input = key_input = value_input = self.input_layernorm(inputs[0]).to(dtype)
@@ -397,18 +398,17 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
         attention_output = self.post_attention_convolution(attention_output, token_mask, cache, query_positions)
-        attention_output = attention_output.float()
 
         if self.opens_block:
             blocks = with_block(blocks, partial)
-            partial = attention_output
+            partial = attention_output.float()
         else:
-            partial = partial.float() + attention_output
+            partial = partial.float() + fp32_operand(attention_output)  # an fp32 sum (type promotion)
 
         mlp_input = self.mlp_input(blocks, partial)[0]
         mlp_output = self.mlp(self.post_attention_layernorm(mlp_input).to(dtype))
         mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache, query_positions)
-        return (partial + mlp_output.float()).to(dtype), blocks
+        return (partial + fp32_operand(mlp_output)).to(dtype), blocks
 
 
 # --- models -------------------------------------------------------------------------------------------------------

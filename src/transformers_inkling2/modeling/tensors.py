@@ -1,5 +1,5 @@
-"""Two questions the model asks of its tensors: which block of a split tensor this rank holds, and whether
-gradients flow (the fast paths have no backward)."""
+"""Three questions the model asks of its tensors: which block of a split tensor this rank holds, whether gradients
+flow (the fast paths have no backward), and whether an fp32 operation needs it converted first."""
 
 from __future__ import annotations
 
@@ -20,3 +20,22 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def differentiable(*tensors: torch.Tensor) -> bool:
     """Whether gradients flow through these inputs (our Triton kernels have no backward)."""
     return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
+# dtypes that type promotion upcasts exactly, inside the kernel, when the other operand is fp32
+UPCAST_BY_PROMOTION = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp32_operand(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as the operand of an elementwise operation whose other operand is fp32: as it is when type promotion
+    already computes the operation in fp32 on its exact upcast (a half-precision tensor, the same values as
+    `.float()` gives, without that conversion's launch and temporary), else `.float()` (a float64 tensor, which
+    promotion would keep in float64)."""
+    return tensor if tensor.dtype in UPCAST_BY_PROMOTION else tensor.float()
+
+
+def shared_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` for several readers that each take it in fp32 (`.float()`): converted once here, which makes their
+    conversions no-ops; but as it is where gradients flow into it, so that the readers' gradients still sum in its
+    own dtype (each through its own conversion), as they did before this sharing."""
+    return tensor if differentiable(tensor) else tensor.float()

@@ -187,6 +187,20 @@ def test_attention_kernels_under_the_triton_interpreter_equal_eager():
     assert results["compiled"] == 0
 
 
+@needs_triton
+def test_a_bool_padding_mask_reaches_the_kernels_without_a_copy():
+    """The static cache's `key_valid` (bool) is read as int8 in place at every decode step: no conversion kernel per
+    layer; masks of other dtypes are converted."""
+    from transformers_inkling2.backends.attention.tiles import padding_bytes
+
+    key_valid = torch.ones(2, 10, dtype=torch.bool)
+    key_valid[1, :3] = False
+    as_bytes = padding_bytes(key_valid[:, :7])  # a full layer's first slots: rows apart, keys at unit stride
+    assert as_bytes.dtype == torch.int8 and as_bytes.data_ptr() == key_valid.data_ptr()
+    assert torch.equal(as_bytes, key_valid[:, :7].to(torch.int8))
+    assert torch.equal(padding_bytes(key_valid.long()), key_valid.to(torch.int8))
+
+
 def test_flex_decode_with_more_folded_rows_than_a_block():
     """24 query heads per kv head x 8 queries = 192 folded rows: two query blocks."""
     inputs = random_inputs(seed=23, queries=8, keys=300, heads=48, kv_heads=2, padding=(0, 5))

@@ -22,8 +22,16 @@ def kernel_inputs(query, key, value, relative_logits, key_padding):
     query, key, value, relative_logits = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, relative_logits)
     )
-    padding = key_padding.to(torch.int8).contiguous() if key_padding is not None else query
+    padding = query if key_padding is None else padding_bytes(key_padding)
     return query, key, value, relative_logits, padding, query.dtype == torch.float32 or INTERPRETING
+
+
+def padding_bytes(key_padding: torch.Tensor) -> torch.Tensor:
+    """[batch, keys] padding as int8 with unit stride along the keys: a bool mask (what the model and its caches
+    pass, e.g. the static cache's `key_valid` at every decode step) is reinterpreted in place, its bytes already
+    0 / 1; other dtypes are converted."""
+    padding = key_padding.view(torch.int8) if key_padding.dtype == torch.bool else key_padding.to(torch.int8)
+    return padding if padding.stride(-1) == 1 else padding.contiguous()
 
 
 @triton.jit

@@ -1,0 +1,544 @@
+"""What clients of `inkling2 serve` get: throughput and latency of streamed chat completions at several
+concurrency levels, measured on the client through the `openai` async client, with the server's own `/metrics`
+beside them as a cross-check.
+
+The server runs in this process (`Inkling2Server` in a background thread, a free port on loopback) over:
+- on a GPU, the 6-layer full-width slice of Inkling-2-Small with 384 random NVFP4 / MXFP8 experts
+  (`user_path.build_ours(quick=False, quantized=True)`) and the official tokenizer. It has no DSpark drafter:
+  with `--dspark` the DSpark rows are skipped with a note;
+- on CPU, the embedded tiny random model (`build_tiny_causal_lm()`); with `--dspark`, the tiny multimodal model with
+  its random drafter (`build_tiny_model(dspark=True)`), served twice, `generation_config.dspark` off then on (two
+  servers, one after the other, the same weights).
+
+The weights are random, and a random model writes no block token (`<|content_text|>`, `<|content_thinking|>`): the
+server's response parser would hold its text until the reply ends, and the client would get each reply as one chunk.
+So each request also gets a logits processor (`TextBlockReply`; `--unshaped` leaves it out) that makes the first
+generated token `<|content_text|>` and bans every special token after it: the reply is a text block streamed token by
+token up to `max_tokens`, as a real model's is (finish reason `length`). It costs a masked fill of the 60 special
+tokens' scores per step; under DSpark on a GPU a logits processor also keeps the draft out of CUDA graphs.
+
+Each concurrency level (default 1, 4, 16, 64) keeps exactly C requests in flight (C client tasks, each sending its
+next request when its last one ends) until N requests were sent (default max(4, 2 C)). Every request is a chat
+completion with `temperature=0`, `max_tokens=--output-tokens`, `stream=True` and
+`stream_options={"include_usage": True}`; its prompt is a passage of CPython's documentation (`pydoc_data`, offline),
+a different one per request (seeded), trimmed to `--prompt-tokens` tokens after a one-line instruction. Two requests
+warm each server up before anything is measured. Every request has a deadline (`--request-timeout`, whole request);
+a request that fails or misses it is counted in the table's `failed` column and the run goes on.
+
+Per level:
+- aggregate output tokens/s: completion tokens of the successful requests (from `usage`) / the level's wall time
+  (first request sent -> last request ended);
+- per-user tokens/s: the mean over successful requests of (tokens in the token chunks after the first) / (arrival of
+  the last token chunk - arrival of the first token chunk): the decode rate a user sees once the first token is
+  there, the inverse of the request's mean ITL (a chunk's tokens: its text re-tokenized, at least 1; `serving.json`
+  has their sum beside `usage`'s completion tokens; requests with one token chunk are left out);
+- TTFT p50 / p99: request sent -> first chunk that carries content, reasoning or a tool call (the role-only first
+  chunk does not count; a block's opening token reaches the client as no text, so this is the arrival of the
+  first token of text: one decode step later than the server's own TTFT, which counts from that opening token);
+- ITL p50 / p99: the gap before each later token chunk divided by the tokens in it (the chunk's text re-tokenized,
+  at least 1; the server emits about one chunk per token, several when DSpark accepts a block), that value counted
+  once per token, pooled over the level's requests. Tokens that reach the client as no text at all (markers the
+  parser consumes) make the next gap longer;
+- from the server's `/metrics`, the difference across the level: `inkling2:request_success_total` by finish reason
+  and `inkling2:generation_tokens_total` (which should equal the client's completion tokens), and with DSpark its
+  acceptance (accepted / drafted tokens).
+
+`inkling2 serve` runs one generation at a time today (one worker thread over a queue): aggregate throughput does not
+grow with concurrency, and TTFT grows with the queue ahead of a request, until the batching engine lands (issue #29),
+which is what this benchmark is to measure. Client and server share this process (and its GIL): the client's own
+time is small beside a decode step on a GPU, not nothing on a loaded CPU. The replies are noise (random weights).
+With the defaults on a GPU the run sends 170 requests of 256 tokens one generation after another (about 2.5 s each
+at 10 ms per token): pass `--concurrency 1 4 16` or `--requests-per-level N` to fit a shorter time limit.
+
+CPU (small defaults: 128 prompt tokens, 32 output tokens; a couple of minutes):
+
+    python benchmarks/serving.py --out /tmp/serving_bench [--concurrency 1 4] [--dspark]
+
+GPU device:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PWD/src:/tmp/site
+    python3 benchmarks/serving.py --out $OUT        # [--concurrency 1 4 16 64] [--requests-per-level N] [--dspark]
+
+Prints markdown tables and writes `serving.md` (+ `serving.json`) under --out (default $OUT, else ./).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import random
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import fmt, markdown_table, write_report  # noqa: E402
+
+MODEL_ID = "inkling2-bench"
+INSTRUCTION = "Summarize the following passage of the Python documentation in a few sentences.\n\n"
+WARMUP_REQUESTS = 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def documentation_paragraphs(seed: int) -> list[str]:
+    """Paragraphs of CPython's documentation (the pydoc topics shipped with Python), in a seeded order."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for name in sorted(topics):
+        for paragraph in re.split(r"\n\s*\n", topics[name]):
+            text = paragraph.strip()
+            if len(text) >= 80:
+                paragraphs.append(text)
+    random.Random(seed).shuffle(paragraphs)
+    return paragraphs
+
+
+class Prompts:
+    """Prompt k: paragraphs from a seeded position on, joined and trimmed to `tokens` tokens of the tokenizer."""
+
+    def __init__(self, tokenizer, tokens: int, seed: int):
+        self.tokenizer, self.tokens = tokenizer, tokens
+        self.paragraphs, self.seed = documentation_paragraphs(seed), seed
+        self._made: dict[int, str] = {}
+
+    def __getitem__(self, k: int) -> str:
+        if k not in self._made:
+            start = random.Random(f"{self.seed}-{k}").randrange(len(self.paragraphs))
+            chosen, ids = [], []
+            index = start
+            while len(ids) < self.tokens and len(chosen) < len(self.paragraphs):
+                chosen.append(self.paragraphs[index % len(self.paragraphs)])
+                index += 1
+                ids = self.tokenizer("\n\n".join(chosen), add_special_tokens=False)["input_ids"]
+            self._made[k] = INSTRUCTION + self.tokenizer.decode(ids[: self.tokens])
+        return self._made[k]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One request, one level
+
+
+@dataclass
+class RequestResult:
+    sent: float
+    ended: float = 0.0
+    chunks: list[tuple[float, str]] = field(default_factory=list)  # (arrival, text) of each token chunk
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunks)
+
+
+def chunk_text(delta) -> str | None:
+    """The text a streamed delta carries (content, reasoning or tool call arguments), None for none."""
+    if delta is None:
+        return None
+    parts = [delta.content or ""]
+    extra = getattr(delta, "model_extra", None) or {}
+    parts.append(extra.get("reasoning_content") or getattr(delta, "reasoning_content", None) or "")
+    for call in delta.tool_calls or []:
+        function = getattr(call, "function", None)
+        parts.append((getattr(function, "name", None) or "") + (getattr(function, "arguments", None) or ""))
+    text = "".join(parts)
+    return text or (None if not delta.tool_calls else " ")
+
+
+async def one_request(client, prompt: str, output_tokens: int, timeout: float) -> RequestResult:
+    result = RequestResult(sent=time.perf_counter())
+
+    async def stream_it():
+        stream = await client.chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=output_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        try:
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    result.completion_tokens = chunk.usage.completion_tokens
+                    result.prompt_tokens = chunk.usage.prompt_tokens
+                for choice in chunk.choices:
+                    if choice.finish_reason:
+                        result.finish_reason = choice.finish_reason
+                    text = chunk_text(choice.delta)
+                    if text:
+                        result.chunks.append((now, text))
+        finally:
+            await stream.close()
+
+    try:
+        await asyncio.wait_for(stream_it(), timeout)
+        if not result.chunks:
+            result.error = "no tokens"
+    except TimeoutError:
+        result.error = f"timeout ({timeout:.0f} s)"
+    except Exception as error:  # noqa: BLE001  (counted and reported, never stops the run)
+        result.error = f"{type(error).__name__}: {str(error)[:120]}"
+    result.ended = time.perf_counter()
+    return result
+
+
+async def run_level(client, prompts: Prompts, first_prompt: int, concurrency: int, requests: int,
+                    output_tokens: int, timeout: float) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """`requests` requests, `concurrency` of them in flight at any time; (results, wall seconds)."""
+    queue = list(range(requests))
+    results: list[RequestResult | None] = [None] * requests
+    for k in queue:
+        prompts[first_prompt + k]  # tokenize before the clock starts
+
+    async def user():
+        while queue:
+            k = queue.pop(0)
+            results[k] = await one_request(client, prompts[first_prompt + k], output_tokens, timeout)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
+    return results, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    import numpy
+
+    return float(numpy.percentile(values, q))
+
+
+def level_stats(results: list[RequestResult], wall: float, tokenizer) -> dict:
+    good = [r for r in results if r.ok]
+    failures: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            kind = (r.error or "no tokens").split(":")[0]
+            failures[kind] = failures.get(kind, 0) + 1
+    completion = [r.completion_tokens if r.completion_tokens is not None else len(r.chunks) for r in good]
+    ttft = [r.chunks[0][0] - r.sent for r in good]
+    per_user, itl, retokenized = [], [], 0
+    for r in good:
+        counts = [max(1, len(tokenizer(text, add_special_tokens=False)["input_ids"])) for _, text in r.chunks]
+        retokenized += sum(counts)
+        if len(r.chunks) >= 2 and r.chunks[-1][0] > r.chunks[0][0]:
+            per_user.append(sum(counts[1:]) / (r.chunks[-1][0] - r.chunks[0][0]))
+        for (before, _), (now, _), count in zip(r.chunks, r.chunks[1:], counts[1:]):
+            itl += [(now - before) / count] * count
+    return {
+        "requests": len(results),
+        "ok": len(good),
+        "failed": len(results) - len(good),
+        "failures": failures,
+        "first_errors": [r.error for r in results if not r.ok][:3],
+        "wall_s": wall,
+        "completion_tokens": sum(completion),
+        "retokenized_chunk_tokens": retokenized,
+        "token_chunks": sum(len(r.chunks) for r in good),
+        "usage_missing": sum(r.completion_tokens is None for r in good),
+        "mean_completion_tokens": sum(completion) / len(good) if good else None,
+        "mean_prompt_tokens": (sum(r.prompt_tokens or 0 for r in good) / len(good)) if good else None,
+        "aggregate_tokens_per_s": sum(completion) / wall if wall > 0 else None,
+        "per_user_tokens_per_s": sum(per_user) / len(per_user) if per_user else None,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_ms": None if not itl else percentile(itl, 50) * 1e3,
+        "itl_p99_ms": None if not itl else percentile(itl, 99) * 1e3,
+        "finish_reasons": dict(Counter(str(r.finish_reason) for r in good)),
+    }
+
+
+SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{label=value,...}": value} (model_name left out)."""
+    samples = {}
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if not match or line.startswith("#"):
+            continue
+        name, labels, value = match.groups()
+        pairs = [f"{k}={v}" for k, v in LABEL.findall(labels or "") if k != "model_name"]
+        key = name + ("{" + ",".join(pairs) + "}" if pairs else "")
+        try:
+            samples[key] = float(value)
+        except ValueError:
+            pass
+    return samples
+
+
+async def server_metrics(client, root: str) -> dict[str, float]:
+    try:
+        text = await client.with_options(base_url=root, timeout=30).get("/metrics", cast_to=str)
+        return parse_metrics(text)
+    except Exception as error:  # noqa: BLE001
+        print(f"could not read /metrics: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return {}
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    if not before or not after:
+        return {}
+
+    def diff(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    reasons = {}
+    for key in after:
+        if key.startswith("inkling2:request_success_total{"):
+            reason = key.split("finished_reason=")[-1].rstrip("}")
+            if diff(key):
+                reasons[reason] = int(diff(key))
+    out = {"request_success": reasons, "generation_tokens": int(diff("inkling2:generation_tokens_total"))}
+    drafted = diff("inkling2:spec_decode_num_draft_tokens_total")
+    if drafted:
+        out["dspark_steps"] = int(diff("inkling2:spec_decode_num_steps_total"))
+        out["dspark_acceptance"] = diff("inkling2:spec_decode_num_accepted_tokens_total") / drafted
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        count = diff(f"inkling2:{name}_count")
+        if count:
+            out[f"server_mean_{name}"] = diff(f"inkling2:{name}_sum") / count
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Servers
+
+
+class TextBlockReply:
+    """Shapes a random model's reply like a real one's (a logits processor added to every request; `--unshaped`
+    leaves it out): the first generated token is `<|content_text|>`, which opens a text block, and no special token
+    follows it, so the reply is text to `max_tokens` (finish reason `length`, as with vLLM's `ignore_eos`). Without it
+    a random model writes no block token, and the server's response parser holds text that is in no block until
+    the reply ends (it could be a tool's name), so the whole reply would reach the client as one chunk. Stateless
+    (it reads the prefix's length), so it holds under DSpark, which runs the processors once per verified
+    position."""
+
+    def __init__(self, tokenizer, prompt_length: int):
+        self.prompt_length = prompt_length
+        self.marker = tokenizer.convert_tokens_to_ids("<|content_text|>")
+        self.special = sorted({*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder})
+        self._index: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] <= self.prompt_length:
+            forced = torch.full_like(scores, float("-inf"))
+            forced[..., self.marker] = 0.0
+            return forced
+        if self._index is None or self._index.device != scores.device:
+            self._index = torch.tensor(self.special, device=scores.device)
+        return scores.index_fill(-1, self._index, float("-inf"))
+
+
+def shaped_backend(model, tokenizer):
+    """`model_app`'s backend, with `TextBlockReply` in each job's logits processors."""
+    from transformers_inkling2.serving.worker import model_backend
+
+    run = model_backend(model, tokenizer)
+
+    def shaped(job):
+        job.logits_processors = [*job.logits_processors, TextBlockReply(tokenizer, job.inputs["input_ids"].shape[-1])]
+        return run(job)
+
+    return shaped
+
+
+def build_model(device: str, dspark: bool):
+    """(model, label, note): the GPU slice with quantized experts, or the tiny CPU model (with its drafter)."""
+    import transformers_inkling2
+
+    if device == "cuda":
+        from user_path import build_ours
+
+        model = build_ours(quick=False, quantized=True)
+        label = "6-layer full-width slice, 384 random NVFP4/MXFP8 experts"
+        if dspark and getattr(model, "dspark", None) is None:
+            return model, label, "the slice has no DSpark drafter: the DSpark rows are skipped"
+        return model, label, None
+    if dspark:
+        model = transformers_inkling2.tiny.build_tiny_model(dspark=True).eval()
+        return model, "embedded tiny model with its random DSpark drafter (multimodal class)", None
+    return transformers_inkling2.build_tiny_causal_lm(), "embedded tiny model (random weights)", None
+
+
+async def measure_server(model, tokenizer, args, label: str, prompts: Prompts) -> dict:
+    """One server over `model`: warm-up, then every concurrency level; the server stops at the end."""
+    import openai
+
+    from transformers_inkling2.serving.server import (
+        Inkling2Server,
+        ServerSettings,
+        build_app,
+        model_app,
+    )
+
+    most = max(args.concurrency)
+    settings = ServerSettings(model_id=MODEL_ID, port=0, max_waiting=max(64, most + 1),
+                              max_connections=max(256, 2 * most + 8))  # fmt: skip
+    if args.unshaped:
+        app = model_app(model, tokenizer, settings)
+    else:  # model_app with the shaping processor
+        positions = getattr(model.config, "text_config", model.config).max_position_embeddings
+        app = build_app(tokenizer, shaped_backend(model, tokenizer), settings, None, positions)
+    server = Inkling2Server(app).start()
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                                timeout=args.request_timeout)  # fmt: skip
+    root = server.base_url.removesuffix("/v1")
+    levels = {}
+    try:
+        print(f"[serving] {label}: {server.base_url}, warming up", flush=True)
+        for k in range(WARMUP_REQUESTS):
+            warm = await one_request(client, prompts[10_000 + k], args.output_tokens, args.request_timeout)
+            if warm.error:
+                print(f"[serving] warm-up request failed: {warm.error}", flush=True)
+        next_prompt = 0
+        for concurrency in args.concurrency:
+            requests = args.requests_per_level or max(4, 2 * concurrency)
+            before = await server_metrics(client, root)
+            results, wall = await run_level(client, prompts, next_prompt, concurrency, requests,
+                                            args.output_tokens, args.request_timeout)  # fmt: skip
+            next_prompt += requests
+            after = await server_metrics(client, root)
+            stats = level_stats(results, wall, tokenizer)
+            stats["server"] = metrics_delta(before, after)
+            levels[concurrency] = stats
+            print(f"[serving] {label}, concurrency {concurrency}: {stats['ok']}/{requests} ok in {wall:.1f} s, "
+                  f"{fmt(stats['aggregate_tokens_per_s'], '.1f')} tokens/s", flush=True)  # fmt: skip
+    finally:
+        try:
+            await client.close()
+        finally:
+            server.stop()
+    return levels
+
+
+def server_latency(server: dict) -> str:
+    ttft = server.get("server_mean_time_to_first_token_seconds")
+    itl = server.get("server_mean_inter_token_latency_seconds")
+    return f"{fmt(ttft, '.3f')} / {fmt(None if itl is None else itl * 1e3, '.1f')}"
+
+
+def table(runs: dict) -> str:
+    headers = ["server", "concurrency", "requests ok / failed", "wall s", "aggregate tok/s", "per-user tok/s",
+               "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "mean out tokens",
+               "/metrics: success by reason", "/metrics: generated tokens (client)",
+               "/metrics: mean TTFT s / ITL ms"]  # fmt: skip
+    rows = []
+    for label, levels in runs.items():
+        if isinstance(levels, str):
+            rows.append([label, "-", levels] + ["-"] * (len(headers) - 3))
+            continue
+        for concurrency, s in levels.items():
+            failed = str(s["failed"]) + (f" ({', '.join(f'{k} x{v}' for k, v in s['failures'].items())})"
+                                         if s["failures"] else "")  # fmt: skip
+            server = s["server"]
+            reasons = ", ".join(f"{k} {v}" for k, v in server.get("request_success", {}).items()) or "-"
+            tokens = f"{server.get('generation_tokens', '-')} ({s['completion_tokens']})"
+            if "dspark_acceptance" in server:
+                tokens += f"; DSpark acceptance {server['dspark_acceptance']:.2f}"
+            rows.append([label, concurrency, f"{s['ok']} / {failed}", fmt(s["wall_s"], ".1f"),
+                         fmt(s["aggregate_tokens_per_s"], ".1f"), fmt(s["per_user_tokens_per_s"], ".1f"),
+                         fmt(s["ttft_p50_s"], ".3f"), fmt(s["ttft_p99_s"], ".3f"), fmt(s["itl_p50_ms"], ".1f"),
+                         fmt(s["itl_p99_ms"], ".1f"), fmt(s["mean_completion_tokens"], ".1f"), reasons,
+                         tokens, server_latency(server)])  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def environment_line(device: str) -> str:
+    import transformers
+
+    if device == "cuda":
+        from attention import environment
+
+        return environment()
+    return (f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads), torch "
+            f"{torch.__version__}, transformers {transformers.__version__}, "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
+
+
+async def benchmark(args) -> tuple[str, dict]:
+    import transformers_inkling2
+
+    tokenizer = transformers_inkling2.build_inkling2_tokenizer()
+    prompts = Prompts(tokenizer, args.prompt_tokens, args.seed)
+    model, label, note = build_model(args.device, args.dspark)
+    runs: dict[str, dict | str] = {}
+    data = {"environment": environment_line(args.device), "model": label, "args": vars(args), "runs": runs}
+    notes = []
+    variants = [("without DSpark", False)] + ([("with DSpark", True)] if args.dspark else [])
+    for name, dspark in variants:
+        run_label = f"{'tiny' if args.device == 'cpu' else 'slice'}, {name}" if args.dspark else label
+        if dspark and note:
+            runs[run_label] = "skipped: " + note
+            notes.append(note)
+            continue
+        model.generation_config.dspark = dspark
+        try:
+            runs[run_label] = await measure_server(model, tokenizer, args, run_label, prompts)
+        except Exception as error:  # noqa: BLE001  (a server that does not start: reported, the next one runs)
+            runs[run_label] = f"error: {type(error).__name__}: {str(error)[:200]}"
+    requests = ("max(4, 2 x concurrency)" if not args.requests_per_level
+                else str(args.requests_per_level))  # fmt: skip
+    head = (f"Model: {label}. Prompts: {args.prompt_tokens} tokens of CPython documentation (+ instruction and chat "
+            f"template); {args.output_tokens} output tokens (max_tokens), temperature 0, streamed; {requests} requests "
+            f"per level after {WARMUP_REQUESTS} warm-up requests; request deadline {args.request_timeout:.0f} s. "
+            "Per-user tok/s: mean over requests of (tokens after the first token chunk) / (last token chunk - first token "
+            "chunk). "
+            "ITL: gap before a token chunk / its tokens. `/metrics` columns: the server's counters across the level; "
+            "generated tokens as the server counts them (and as the client's `usage` does). The server runs one "
+            "generation at a time (no batching yet, issue #29).")  # fmt: skip
+    sections = [f"# Serving ({data['environment']})", head, *[f"Note: {n}." for n in notes],
+                "## Streamed chat completions by concurrency", table(runs)]  # fmt: skip
+    return "\n\n".join(sections), data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests-per-level", type=int, default=None, help="default: max(4, 2 x concurrency)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="default: 1024 on a GPU, 128 on CPU")
+    parser.add_argument("--output-tokens", type=int, default=None, help="default: 256 on a GPU, 32 on CPU")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one whole request")
+    parser.add_argument("--dspark", action="store_true", help="also serve with DSpark (a second server)")
+    parser.add_argument("--unshaped", action="store_true", help="the random model's replies as they come (no "
+                        "TextBlockReply): each reply reaches the client as one chunk")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="which documentation passages make the prompts")
+    args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = args.device == "cuda"
+    args.prompt_tokens = args.prompt_tokens or (1024 if gpu else 128)
+    args.output_tokens = args.output_tokens or (256 if gpu else 32)
+    if min(args.concurrency) < 1 or (args.requests_per_level is not None and args.requests_per_level < 1):
+        parser.error("--concurrency and --requests-per-level take positive integers")
+    text, data = asyncio.run(benchmark(args))
+    write_report(args.out, "serving", text, data)
+
+
+if __name__ == "__main__":
+    main()

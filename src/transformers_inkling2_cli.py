@@ -107,6 +107,12 @@ def add_server_limits(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests replace the chat template (chat_template, chat_template_kwargs.chat_template)",
     )
+    access.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        metavar="NAME",
+        help="Host header names answered ('*': any; default: the loopback names when listening on loopback, else any)",
+    )
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-model-len", type=int, help="prompt + max_tokens, in tokens (default: the model's)")
     limits.add_argument("--max-request-bytes", type=int)

@@ -145,6 +145,7 @@ def server_settings(args: argparse.Namespace, model_id: str, effort):
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None,
         max_model_len=args.max_model_len,
         default_max_tokens=args.max_tokens,
         default_effort=effort,

@@ -335,6 +335,31 @@ def test_a_prompt_over_the_context_is_refused_before_generation(server, fresh):
     assert_serving(server, fresh)
 
 
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server, fresh):
+    """4096 tokens of at most 128 characters each: 600,000 characters are refused by their count, not after
+    tokenizing them (seconds for megabytes)."""
+    calls = []
+    tokenizer = server.app.chat.tokenizer
+    original = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        reply = post_json(server, chat(messages=[{"role": "user", "content": "x" * 600_000}]))
+    finally:
+        del tokenizer.apply_chat_template
+    error = assert_openai_error(reply, 400, code="context_length_exceeded")
+    assert "600,000 characters" in error["message"] and calls == [] and fresh.jobs == []
+    assert_serving(server, fresh)
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "[::2]:1"])
+def test_a_loopback_server_refuses_other_host_names(server, fresh, host):
+    """DNS rebinding: a web page whose own name now resolves to 127.0.0.1 sends its name as the Host header."""
+    reply = http_request(server, "GET", "/v1/models", headers={"Host": host})
+    assert_openai_error(reply, 400)
+    for allowed in ("127.0.0.1", f"127.0.0.1:{server.port}", "localhost", "[::1]:80"):
+        assert http_request(server, "GET", "/v1/models", headers={"Host": allowed}).status == 200
+
+
 def test_max_tokens_beyond_the_context_is_refused_before_generation(server, fresh):
     assert_openai_error(post_json(server, chat(max_tokens=10**30)), 400, code="context_length_exceeded")
     assert fresh.jobs == []
@@ -354,7 +379,7 @@ def send_and_read(port: int, head: bytes, body: bytes, timeout: float = 10) -> b
 
 def test_a_body_over_max_request_bytes_is_refused_with_413(limited):
     body = json.dumps(chat(messages=[{"role": "user", "content": "x" * (2 * MB)}])).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
     received = send_and_read(limited.port, head, body)
     assert status_of(received) == 413, received[:300]
@@ -366,7 +391,7 @@ def test_a_chunked_body_over_max_request_bytes_is_refused_with_413(limited):
     """No Content-Length to refuse early: the limit holds while the body arrives."""
     body = json.dumps(chat(messages=[{"role": "user", "content": "x" * (2 * MB)}])).encode()
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + 65536]), body[i : i + 65536]) for i in range(0, len(body), 65536))
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     received = send_and_read(limited.port, head, chunked + b"0\r\n\r\n")
     assert status_of(received) == 413, received[:300]
     assert_serving(limited, limited.script)
@@ -374,7 +399,7 @@ def test_a_chunked_body_over_max_request_bytes_is_refused_with_413(limited):
 
 def test_a_body_shorter_than_its_content_length_times_out(limited):
     """Content-Length says 100, 10 bytes come, then nothing: 408 (or a close) after request_timeout_s (1 s)."""
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     start = time.monotonic()
     received, closed = raw_exchange(limited.port, head + b'{"model": ', timeout=6)
     elapsed = time.monotonic() - start
@@ -817,15 +842,15 @@ def test_wrong_routes_and_methods_get_openais_error_body(server, fresh, method, 
 GARBAGE = {
     "not HTTP": b"HELLO\r\n\r\n",
     "a TLS hello": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(64)),
-    "a 100 KB header line": b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+    "a 100 KB header line": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
     "5000 headers": b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(5000)) + b"\r\n",
-    "a 100 KB request line": b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: t\r\n\r\n",
-    "two Content-Lengths": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n",
-    "a negative Content-Length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n",
-    "Content-Length and chunked": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n"
+    "a 100 KB request line": b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    "two Content-Lengths": b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n",
+    "a negative Content-Length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n",
+    "Content-Length and chunked": b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n"
                                   b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     "20,000 empty lines": b"\r\n" * 10_000,
-    "a NUL in the request line": b"GET /hea\x00lth HTTP/1.1\r\nHost: t\r\n\r\n",
+    "a NUL in the request line": b"GET /hea\x00lth HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
 }
 
 
@@ -839,7 +864,7 @@ def test_garbage_and_oversized_headers_get_4xx_or_a_close(limited, data):
 
 def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(limited):
     with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         received, closed = read_until_close(sock, 5, wait_for_close=False)
         assert status_of(received) == 200 and not closed
         start = time.monotonic()
@@ -857,9 +882,9 @@ def test_a_normal_request_completes_while_20_slow_sockets_are_open(limited):
             sock = socket.create_connection(("127.0.0.1", limited.port), timeout=5)
             sockets.append(sock)
             if index % 2:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-a: ")
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-a: ")
             else:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 500\r\n\r\n{")
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 500\r\n\r\n{")
         start = time.monotonic()
         assert ask(limited, timeout=10).choices[0].message.content == "ok"
         assert time.monotonic() - start < 5
@@ -873,7 +898,7 @@ def test_a_normal_request_completes_while_20_slow_sockets_are_open(limited):
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-Slow: "],
+    [b"", b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "],
     ids=["nothing", "a request line", "part of the headers"],
 )
 def test_a_silent_connection_is_closed_by_the_server(limited, data):
@@ -894,7 +919,7 @@ def test_a_silent_connection_is_closed_by_the_server(limited, data):
 def test_a_connection_that_trickles_its_request_is_cut_off(limited, part):
     """One byte every 0.2 s keeps no socket timeout from firing; the request's head (or body) must still arrive
     within request_timeout_s (1 s): then the connection is closed (or, for the body, answered 408)."""
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
     trickle = head + b" " * 500 if part == "head" else b" " * 500
     start = time.monotonic()
     with socket.create_connection(("127.0.0.1", limited.port), timeout=5) as sock:
@@ -967,9 +992,9 @@ def test_silent_connections_cannot_lock_clients_out(crowded):
 
 
 def test_pipelined_requests_are_answered_in_order(limited):
-    request = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with socket.create_connection(("127.0.0.1", limited.port), timeout=5) as sock:
-        sock.sendall(request * 3 + b"GET /nothing HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        sock.sendall(request * 3 + b"GET /nothing HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         received, _ = read_until_close(sock, 5)
     assert [int(s) for s in re.findall(rb"HTTP/1.1 (\d+)", received)] == [200, 200, 200, 404]
     assert_serving(limited, limited.script)
@@ -1063,7 +1088,7 @@ def test_a_raw_client_that_resets_mid_stream_cancels_its_generation(server, fres
     before = aborted(server)
     body = json.dumps(chat(stream=True)).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
     received = b""
     while received.count(b"data:") < 4:

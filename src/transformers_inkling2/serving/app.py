@@ -26,17 +26,32 @@ from .protocol import RequestError, error_body, parse_request
 from .settings import ServerSettings
 from .worker import GenerationJob, GenerationWorker, Overloaded
 
+MAX_HEADER_BYTES = 32 * 1024
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 503: "overloaded_error"}  # fmt: skip
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 431: "invalid_request_error", 503: "overloaded_error"}  # fmt: skip
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """Error bodies quote what the client sent, which may hold lone surrogates that UTF-8 cannot encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+    return _ASCIIJSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 async def read_body(request: Request, limit: int) -> dict:
-    """The JSON body, read up to `limit` bytes (a larger one is refused while it arrives, not after)."""
+    """The JSON body, read up to `limit` bytes (a larger one is refused while it arrives, not after). Only
+    `application/json`: a browser sends `text/plain` and form bodies cross-origin without asking, so accepting them
+    would let any web page drive a server on the visitor's loopback."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise RequestError(f"the body must be sent as 'Content-Type: application/json', not {media_type[:100]!r}",
+                           status=415)  # fmt: skip
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise RequestError(f"the request body is over {limit:,} bytes (--max-request-bytes)", status=413)
@@ -93,7 +108,12 @@ class Inkling2App:
             return error_response(400, str(error.errors()[:1])[:500])
 
         @app.middleware("http")
-        async def authenticate(request: Request, call_next):
+        async def guard(request: Request, call_next):
+            head = sum(len(name) + len(value) for name, value in request.scope["headers"])
+            if head > MAX_HEADER_BYTES:  # uvicorn bounds a head that arrives in pieces, not one in a single read
+                return error_response(431, f"the request's headers are over {MAX_HEADER_BYTES:,} bytes")
+            if not self.settings.host_allowed(request.headers.get("host", "")):
+                return error_response(400, "this server does not answer to that Host header (--allowed-hosts)")
             if request.url.path.startswith("/v1/") and not self._authorized(request):
                 return error_response(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
                                       headers={"WWW-Authenticate": "Bearer"})  # fmt: skip

@@ -82,6 +82,17 @@ def _template_tool_call(call, index: int) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": parsed}}
 
 
+def _texts(message: ChatMessage):
+    """Every string of a message that the template writes."""
+    if isinstance(message.content, str):
+        yield message.content
+    elif message.content:
+        yield from (part.text for part in message.content if part.type == "text")
+    yield from (text for text in (message.reasoning_content, message.name) if text)
+    for call in message.tool_calls or []:
+        yield call.function.arguments
+
+
 def count_images(request: ChatCompletionRequest) -> int:
     return sum(
         part.type == "image_url"
@@ -102,6 +113,7 @@ class ChatCompletions:
         if max_position_embeddings is not None and limit > max_position_embeddings:
             raise ValueError(f"max_model_len {limit:,} is above the model's {max_position_embeddings:,} positions")
         self.max_model_len = limit
+        self.max_token_length = max(len(token) for token in tokenizer.get_vocab())  # byte-level: a char per byte
         if settings.default_effort is not None:  # a bad --effort fails now, not on every request
             tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, effort=settings.default_effort)
 
@@ -120,11 +132,24 @@ class ChatCompletions:
             def load_image(url):
                 return load_media_image(url, policy)
 
+        self._check_text_length(request)
         messages = to_template_messages(request.messages, load_image)
         inputs = self._render(request, messages, images > 0)
         prompt_tokens = int(inputs["input_ids"].shape[-1])
         params = self._sampling(request, prompt_tokens)
         return PreparedRequest(request, inputs, params, prompt_tokens, self._constraints(request, params, prompt_tokens))
+
+    def _check_text_length(self, request: ChatCompletionRequest) -> None:
+        """Refuses, before tokenizing (seconds for megabytes), text that cannot fit: no token is longer than the
+        vocabulary's longest, so more characters than `max_model_len` times that length are surely too many."""
+        characters = sum(len(text) for message in request.messages for text in _texts(message))
+        if characters > self.max_model_len * self.max_token_length:
+            raise RequestError(
+                f"the messages hold {characters:,} characters, more than {self.max_model_len:,} tokens can: this "
+                f"server's context is {self.max_model_len:,} tokens",
+                "messages",
+                code="context_length_exceeded",
+            )
 
     def _template_kwargs(self, request: ChatCompletionRequest) -> dict:
         kwargs = dict(request.chat_template_kwargs or {})
@@ -160,6 +185,12 @@ class ChatCompletions:
                             return_tensors="pt", **kwargs)  # fmt: skip
         except (jinja2.TemplateError, ValueError, TypeError) as error:  # the template's own checks, bad images
             raise RequestError(str(error)[:1000]) from error
+        except Exception as error:
+            if "chat_template" not in kwargs:
+                raise
+            # a (trusted) client's template: whatever it raises is the request's fault
+            raise RequestError(f"the request's chat template failed: {type(error).__name__}: {str(error)[:500]}",
+                               "chat_template") from error  # fmt: skip
         return dict(inputs)
 
     def _sampling(self, request: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:

@@ -14,6 +14,7 @@ MAX_REQUEST_BYTES = 32 * 1024 * 1024  # images arrive inline as base64: a few 20
 MAX_IMAGES_PER_REQUEST = 8
 # one image token covers a 40x40 cell: 4,194,304 pixels keep one image to at most about 2,600 image tokens
 MAX_IMAGE_PIXELS = 2048 * 2048
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class ServerSettings:
     request_timeout_s: float = 30.0  # for a request's head, and then its body, to arrive (slow senders)
     max_connections: int = 256
     trust_request_chat_template: bool = False
+    # Host header names answered; None: the loopback names when listening on loopback (a web page that rebinds its
+    # own name to 127.0.0.1 cannot reach the server), any when listening beyond it
+    allowed_hosts: tuple[str, ...] | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)
 
     def __post_init__(self):
@@ -54,6 +58,16 @@ class ServerSettings:
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)!r}")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ValueError("the API key is shorter than 8 characters: pick a long random one (e.g. `openssl rand -hex 32`)")
+
+    def host_allowed(self, host_header: str) -> bool:
+        allowed = self.allowed_hosts
+        if allowed is None:
+            if not is_loopback(self.host):
+                return True
+            allowed = (*LOOPBACK_NAMES, self.host)
+        name = host_header.strip().lower()
+        name = name[1 : name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+        return name in {host.lower() for host in allowed} or "*" in allowed
 
     @property
     def exposed_without_key(self) -> bool:

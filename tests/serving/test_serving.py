@@ -16,19 +16,14 @@ import torch
 from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
 from transformers_inkling2.serving.chat import to_template_messages
 from transformers_inkling2.serving.protocol import ChatMessage
-from transformers_inkling2.serving.server import Inkling2Server, ServerSettings, build_app, model_app
+from transformers_inkling2.serving.server import Inkling2Server, ServerSettings, model_app
 from transformers_inkling2.tiny import build_tiny_causal_lm
 from transformers_inkling2_cli import build_parser
 
+from serving_helpers import END, EOT, MODEL, TEXT, THINK, Script, openai_client, start_server
+
 openai = pytest.importorskip("openai")
 
-THINK, TEXT, END, MODEL, EOT = (
-    "<|content_thinking|>",
-    "<|content_text|>",
-    "<|end_message|>",
-    "<|message_model|>",
-    "<|content_model_end_sampling|>",
-)
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,38 +42,8 @@ FULL_TURN = [
 ]
 
 
-class Script:
-    """A backend that replays scripted text (token counts from the tokenizer) and records the jobs it ran."""
-
-    def __init__(self, tok):
-        self.tok = tok
-        self.chunks = FULL_TURN
-        self.jobs = []
-        self.closed = threading.Event()
-        self.delay = 0.0
-
-    def __call__(self, job):
-        self.jobs.append(job)
-        try:
-            for chunk in self.chunks:
-                if job.cancelled.is_set():
-                    return
-                time.sleep(self.delay)
-                job.emit(chunk, len(self.tok(chunk, add_special_tokens=False)["input_ids"]))
-        finally:
-            self.closed.set()
-
-    def tokens(self) -> int:
-        return sum(len(self.tok(chunk, add_special_tokens=False)["input_ids"]) for chunk in self.chunks)
-
-
-def start_server(tok, backend, processor=None, **settings) -> Inkling2Server:
-    settings = ServerSettings(**{"model_id": "inkling2-test", "port": 0, "max_model_len": 4096, **settings})
-    return Inkling2Server(build_app(tok, backend, settings, processor)).start()
-
-
-def openai_client(server: Inkling2Server, api_key: str = "unused", timeout: float = 15):
-    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=timeout)
+def script_tokens(script: Script) -> int:
+    return sum(script.count(chunk) for chunk in script.chunks)
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +81,7 @@ def server(tok, script):
 
 @pytest.fixture()
 def client(server, script):
-    script.chunks, script.delay, script.jobs[:] = FULL_TURN, 0.0, []
-    script.closed.clear()
+    script.reset(FULL_TURN)
     return openai_client(server)
 
 
@@ -152,7 +116,7 @@ def test_chat_completion_returns_reasoning_content_and_tool_calls(tok, client, s
     assert tool_call.function.name == "get_weather"
     assert json.loads(tool_call.function.arguments) == {"city": "San Francisco", "days": [1, 2]}
     assert reply.usage.prompt_tokens == len(prompt_ids(script))
-    assert reply.usage.completion_tokens == script.tokens()  # what the backend counted, not re-tokenized text
+    assert reply.usage.completion_tokens == script_tokens(script)  # what the backend counted, not re-tokenized text
     # the prompt: system, tool_declare, effort 0.2, user, generation prompt; sampling parameters passed through
     assert prompt_text(tok, script) == tok.apply_chat_template(
         [{"role": "system", "content": "Be useful."}, {"role": "user", "content": "Weather in SF?"}],
@@ -197,7 +161,7 @@ def test_streaming_sends_reasoning_content_and_tool_call_deltas(client):
 def test_truncated_reply_finishes_with_length(client, script):
     script.chunks = [f"{THINK}still thinking when max_tokens hit"]  # as many tokens as max_tokens, no end of turn
     reply = client.chat.completions.create(
-        model="inkling2-test", messages=[{"role": "user", "content": "q"}], max_tokens=script.tokens()
+        model="inkling2-test", messages=[{"role": "user", "content": "q"}], max_tokens=script_tokens(script)
     )
     assert reply.choices[0].finish_reason == "length"
     assert reply.choices[0].message.model_extra["reasoning_content"] == "still thinking when max_tokens hit"
@@ -277,7 +241,7 @@ def test_bad_requests_get_400(client, request_fields, message):
 
 
 def test_client_leaving_mid_stream_stops_generation(client, script):
-    script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 2000, 0.005  # ~10 s if nobody stops it
+    script.reset([f"{TEXT}"] + ["tick "] * 2000, delay=0.005)  # ~10 s if nobody stops it
     stream = client.chat.completions.create(
         model="inkling2-test", messages=[{"role": "user", "content": "q"}], stream=True
     )
@@ -291,7 +255,7 @@ def test_client_leaving_mid_stream_stops_generation(client, script):
 
 
 def test_client_leaving_a_non_streaming_request_stops_generation(server, client, script):
-    script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 2000, 0.005
+    script.reset([f"{TEXT}"] + ["tick "] * 2000, delay=0.005)
     impatient = openai_client(server, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
         impatient.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
@@ -419,7 +383,7 @@ def test_stop_sequences_end_the_reply_before_them(client, script):
 
 
 def test_a_full_queue_answers_503_with_retry_after(tok, script):
-    script.chunks, script.delay = [f"{TEXT}"] + ["tick "] * 40, 0.02
+    script.reset([f"{TEXT}"] + ["tick "] * 40, delay=0.02)
     with start_server(tok, script, max_waiting=1) as srv:
         results = []
 
@@ -447,7 +411,7 @@ def test_metrics_count_requests_and_tokens(server, client, script):
     text = client.with_options(base_url=server.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
     values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("inkling2:")}
     assert values["inkling2:num_requests_running"] == 0 and values["inkling2:num_requests_waiting"] == 0
-    assert values["inkling2:generation_tokens_total"] >= script.tokens()
+    assert values["inkling2:generation_tokens_total"] >= script_tokens(script)
     assert values["inkling2:prompt_tokens_total"] >= len(prompt_ids(script))
     assert values["inkling2:time_to_first_token_seconds_count"] >= 1
     assert values["inkling2:inter_token_latency_seconds_count"] >= 1

@@ -20,7 +20,7 @@ from transformers_inkling2.serving.server import Inkling2Server, ServerSettings,
 from transformers_inkling2.tiny import build_tiny_causal_lm
 from transformers_inkling2_cli import build_parser
 
-from serving_helpers import END, EOT, MODEL, TEXT, THINK, Script, openai_client, start_server
+from serving_helpers import END, EOT, MODEL, TEXT, THINK, Script, leftover_threads, openai_client, start_server
 
 openai = pytest.importorskip("openai")
 
@@ -75,7 +75,7 @@ def server(tok, script):
     srv = start_server(tok, script)
     yield srv
     srv.stop()
-    leftover = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    leftover = leftover_threads(threads_before)  # the event loop's worker threads end just after it stops
     assert not leftover, f"threads left running: {leftover}"
 
 
@@ -317,7 +317,7 @@ def test_the_tiny_model_end_to_end(tok, tiny_model):
         chunks = list(
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, stream=True)
         )
-    assert set(threading.enumerate()) - threads_before == set()
+    assert leftover_threads(threads_before) == []
     with torch.no_grad():  # what generate() writes for this prompt
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
         output = tiny_model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -504,3 +504,21 @@ def test_a_json_schema_response_format_makes_the_random_model_write_matching_jso
     )  # fmt: skip
     content = json.loads(reply.choices[0].message.content)
     assert content["answer"] in ("yes", "no") and isinstance(content["sure"], bool) and set(content) == set(schema["properties"])
+
+
+def test_a_failing_generation_is_a_500_with_its_reason_and_ends_a_stream_with_done(tok):
+    def failing(job):
+        job.emit(f"{TEXT}partial", 2)
+        raise RuntimeError("the device fell over")
+
+    with start_server(tok, failing) as srv:
+        client = openai_client(srv)
+        with pytest.raises(openai.InternalServerError, match="RuntimeError: the device fell over"):
+            client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
+        stream = client.chat.completions.with_raw_response.create(
+            model="inkling2-test", messages=[{"role": "user", "content": "q"}], stream=True
+        )
+        lines = [line for line in stream.http_response.iter_lines() if line]
+        metrics = client.with_options(base_url=srv.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
+    assert '"server_error"' in lines[-2] and "the device fell over" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert 'inkling2:request_success_total{finished_reason="error",model_name="inkling2-test"} 2.0' in metrics

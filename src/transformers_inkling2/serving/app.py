@@ -10,8 +10,10 @@ reply. A client that leaves (streaming or not) cancels its job: the generation s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -25,6 +27,8 @@ from .metrics import ServingMetrics
 from .protocol import RequestError, error_body, parse_request
 from .settings import ServerSettings
 from .worker import GenerationJob, GenerationWorker, Overloaded
+
+logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 32 * 1024
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -145,7 +149,8 @@ class Inkling2App:
         if self.settings.api_key is None:
             return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.settings.api_key.encode())
+        key = self.settings.api_key.encode()
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
 
     def _model_card(self) -> dict:
         return {"id": self.settings.model_id, "object": "model", "created": self.created, "owned_by": "inkling2",
@@ -158,7 +163,8 @@ class Inkling2App:
             body = await asyncio.wait_for(read_body(request, self.settings.max_request_bytes),
                                           self.settings.request_timeout_s)  # fmt: skip
         except TimeoutError:
-            raise RequestError(f"the body took over {self.settings.request_timeout_s} s to arrive", status=408) from None
+            late = f"the body took over {self.settings.request_timeout_s} s to arrive"
+            raise RequestError(late, status=408) from None
         chat_request = parse_request(body)
         if chat_request.model != self.settings.model_id:
             raise RequestError(
@@ -166,7 +172,8 @@ class Inkling2App:
                 "model", 404, "model_not_found",
             )  # fmt: skip
         prepared = await run_in_threadpool(self.chat.prepare, chat_request)
-        job = GenerationJob(prepared.inputs, prepared.params, prepared.logits_processors).bind(asyncio.get_running_loop())
+        job = GenerationJob(prepared.inputs, prepared.params, prepared.logits_processors)
+        job.bind(asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except Overloaded as error:
@@ -183,10 +190,11 @@ class Inkling2App:
         """The job's deltas as they come; records the token metrics; cancels the job when its consumer stops early,
         or when a stop sequence is met."""
         last = None
-        finished = False
+        reason = "abort"  # unless the generation ends or fails
         try:
             while (event := await job.events.get()) is not None:
                 if isinstance(event, BaseException):
+                    reason = "error"
                     raise event
                 text, tokens = event
                 now = time.monotonic()
@@ -198,12 +206,13 @@ class Inkling2App:
                     job.cancel()
                 for delta in deltas:
                     yield delta
-            for delta in assembler.finish():
+            final = assembler.finish()
+            reason = assembler.finish_reason
+            for delta in final:
                 yield delta
-            finished = True
         finally:
             job.cancel()  # no-op when done; stops the generation when the client left
-            self.metrics.finished(assembler.finish_reason if finished else "abort")
+            self.metrics.finished(reason)
             self.metrics.request_latency.observe(time.monotonic() - job.received_at)
             if job.dspark:
                 self.metrics.spec_decode_steps.inc(job.dspark["steps"])
@@ -229,11 +238,16 @@ class Inkling2App:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watching.cancel()
-            if not collecting.done():  # the client left: stop the generation, answer nobody
+            if not collecting.done():  # the client left (or this handler was cancelled): stop the generation
                 collecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collecting
         if collecting.cancelled():
-            return Response(status_code=499)
-        collecting.result()  # a generation failure raises here: a 500 with its message
+            return Response(status_code=499)  # nobody is there to read it
+        if collecting.exception() is not None:  # the generation failed: a 500 that says how
+            error = collecting.exception()
+            logger.error("generation failed", exc_info=error)
+            return error_response(500, f"the generation failed: {type(error).__name__}: {str(error)[:500]}")
         return completion(self.settings.model_id, assembler)
 
     async def _stream(self, job: GenerationJob, assembler: ReplyAssembler, prepared: PreparedRequest):

@@ -115,7 +115,8 @@ class ChatCompletions:
         self.max_model_len = limit
         self.max_token_length = max(len(token) for token in tokenizer.get_vocab())  # byte-level: a char per byte
         if settings.default_effort is not None:  # a bad --effort fails now, not on every request
-            tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, effort=settings.default_effort)
+            probe = [{"role": "user", "content": ""}]
+            tokenizer.apply_chat_template(probe, tokenize=False, effort=settings.default_effort)
 
     def prepare(self, request: ChatCompletionRequest) -> PreparedRequest:
         """Blocking (fetches images, tokenizes): run it off the event loop."""
@@ -137,7 +138,8 @@ class ChatCompletions:
         inputs = self._render(request, messages, images > 0)
         prompt_tokens = int(inputs["input_ids"].shape[-1])
         params = self._sampling(request, prompt_tokens)
-        return PreparedRequest(request, inputs, params, prompt_tokens, self._constraints(request, params, prompt_tokens))
+        constraints = self._constraints(request, params, prompt_tokens)
+        return PreparedRequest(request, inputs, params, prompt_tokens, constraints)
 
     def _check_text_length(self, request: ChatCompletionRequest) -> None:
         """Refuses, before tokenizing (seconds for megabytes), text that cannot fit: no token is longer than the

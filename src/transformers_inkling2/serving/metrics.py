@@ -1,6 +1,7 @@
 """The server's Prometheus metrics (prometheus-client), named as vLLM names its own with our prefix, so dashboards
 built for one read the other: requests running and waiting, token counters, time to first token, inter-token
-latency, finished requests by reason (a client that left counts as `abort`), and DSpark's acceptance."""
+latency, finished requests by reason (a client that left counts as `abort`, a failed generation as `error`), and
+DSpark's acceptance."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class ServingMetrics:
                       buckets=LATENCY_BUCKETS, **labels)  # fmt: skip
         )
         self._finished = Counter(
-            "inkling2:request_success", "Finished requests by finish reason ('abort': the client left).",
+            "inkling2:request_success",
+            "Finished requests by finish reason ('abort': the client left; 'error': the generation failed).",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
         )  # fmt: skip
         self.finished = lambda reason: self._finished.labels(model_name=model_id, finished_reason=reason).inc()

@@ -57,7 +57,9 @@ class ServerSettings:
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)!r}")
         if self.api_key is not None and len(self.api_key) < 8:
-            raise ValueError("the API key is shorter than 8 characters: pick a long random one (e.g. `openssl rand -hex 32`)")
+            raise ValueError(
+                "the API key is shorter than 8 characters: pick a long random one (e.g. `openssl rand -hex 32`)"
+            )
 
     def host_allowed(self, host_header: str) -> bool:
         allowed = self.allowed_hosts

@@ -172,7 +172,8 @@ def model_backend(model, tokenizer) -> Backend:
         params = job.params
         sampling = params.temperature > 0
         dspark = bool(getattr(model.generation_config, "dspark", False))
-        inputs = {name: value.to(model.device) if torch.is_tensor(value) else value for name, value in job.inputs.items()}
+        inputs = {name: value.to(model.device) if torch.is_tensor(value) else value
+                  for name, value in job.inputs.items()}  # fmt: skip
         with torch.inference_mode():
             if params.seed is not None:
                 torch.manual_seed(params.seed)

@@ -162,8 +162,9 @@ def test_200_requests_with_drops_leave_no_threads_memory_or_requests_behind(tok)
                 assert content == expected_content(index, script.filler), (index, content)
         assert script.jobs <= 220
 
-        # no growth: threads (the server's thread pool may settle at the clients' concurrency), memory
-        assert threads_after <= threads_before + WORKERS and threads_after <= threads_middle + 2, (
+        # no growth: threads (the event loop's worker-thread pool grows and shrinks with the clients' concurrency, up
+        # to WORKERS more; a leak would grow with the 200 requests or the ~20 dropped), memory
+        assert threads_middle <= threads_before + WORKERS and threads_after <= threads_before + WORKERS, (
             threads_before, threads_middle, threads_after)  # fmt: skip
         assert rss_after - rss_before < 50 * MB, f"RSS grew by {(rss_after - rss_before) / MB:.1f} MB"
         # and the server still answers

@@ -16,6 +16,13 @@ import time
 
 import openai
 
+from transformers_inkling2.processing.chat_template import (
+    CONTENT_TEXT,
+    CONTENT_THINKING,
+    END_MESSAGE,
+    END_OF_TURN,
+    MESSAGE_MODEL,
+)
 from transformers_inkling2.serving.server import (
     Inkling2Server,
     ServerSettings,
@@ -23,13 +30,7 @@ from transformers_inkling2.serving.server import (
 )
 
 MODEL_ID = "inkling2-test"
-THINK, TEXT, END, MODEL, EOT = (
-    "<|content_thinking|>",
-    "<|content_text|>",
-    "<|end_message|>",
-    "<|message_model|>",
-    "<|content_model_end_sampling|>",
-)
+THINK, TEXT, END, MODEL, EOT = CONTENT_THINKING, CONTENT_TEXT, END_MESSAGE, MESSAGE_MODEL, END_OF_TURN
 OK_REPLY = [f"{TEXT}ok", f"{END}{EOT}"]
 SLOW_REPLY = [TEXT] + ["tick "] * 2000  # with a delay per chunk: runs until cancelled
 TIMEOUT = 15  # seconds: every client call and socket is bounded by this or less

@@ -135,10 +135,11 @@ class ChatCompletions:
 
         self._check_text_length(request)
         messages = to_template_messages(request.messages, load_image)
-        inputs = self._render(request, messages, images > 0)
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
+        inputs = self._render(request, messages, tools, images > 0)
         prompt_tokens = int(inputs["input_ids"].shape[-1])
         params = self._sampling(request, prompt_tokens)
-        constraints = self._constraints(request, params, prompt_tokens)
+        constraints = self._constraints(request, tools, params, prompt_tokens)
         return PreparedRequest(request, inputs, params, prompt_tokens, constraints)
 
     def _check_text_length(self, request: ChatCompletionRequest) -> None:
@@ -172,8 +173,8 @@ class ChatCompletions:
             kwargs.setdefault("effort", effort)
         return kwargs
 
-    def _render(self, request: ChatCompletionRequest, messages: list[dict], has_images: bool) -> dict:
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
+    def _render(self, request: ChatCompletionRequest, messages: list[dict], tools: list | None,
+                has_images: bool) -> dict:  # fmt: skip
         if request.tool_choice == "none":
             tools = None  # not offered: the model is not to call one
         kwargs = self._template_kwargs(request)
@@ -220,7 +221,8 @@ class ChatCompletions:
             seed=request.seed,
         )
 
-    def _constraints(self, request: ChatCompletionRequest, params: SamplingParams, prompt_tokens: int) -> list:
+    def _constraints(self, request: ChatCompletionRequest, tools: list | None, params: SamplingParams,
+                     prompt_tokens: int) -> list:  # fmt: skip
         """The grammar processor for tool_choice "required" / named and json_object / json_schema, else none. The
         reasoning before a constrained reply gets at most half of max_tokens, so the reply itself has room."""
         from ..generation.constrained import GrammarLogitsProcessor, reply_grammar
@@ -230,7 +232,6 @@ class ChatCompletions:
             tool_choice = tool_choice.model_dump()
         response_format = request.response_format.model_dump(by_alias=True, exclude_none=True) if (
             request.response_format) else None  # fmt: skip
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
         try:
             grammar = reply_grammar(
                 tools=tools,

@@ -230,6 +230,12 @@ def metrics(server) -> dict[str, float]:
     return values
 
 
+def settled(server) -> bool:
+    """Nothing running or waiting."""
+    values = metrics(server)
+    return values["inkling2:num_requests_running"] == 0 and values["inkling2:num_requests_waiting"] == 0
+
+
 def aborted(server) -> float:
     return metrics(server).get(f'inkling2:request_success_total{{finished_reason="abort",model_name="{MODEL_ID}"}}', 0.0)
 

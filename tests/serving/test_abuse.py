@@ -40,6 +40,7 @@ from serving_helpers import (
     raw_exchange,
     read_until_close,
     serving,
+    settled,
     status_of,
     wait_until,
 )
@@ -1047,11 +1048,6 @@ def test_a_full_queue_turns_exactly_the_overflow_away_with_503_and_retry_after(t
 # ---------------------------------------------------------------------------------------------------------------
 
 STEP = 0.05  # seconds per scripted decode step
-
-
-def settled(server) -> bool:
-    values = metrics(server)
-    return values["inkling2:num_requests_running"] == 0 and values["inkling2:num_requests_waiting"] == 0
 
 
 def assert_cancelled_when_the_client_left(server, fresh, before: float, left: float) -> None:

@@ -22,6 +22,7 @@ from serving_helpers import (
     metrics,
     openai_client,
     serving,
+    settled,
     wait_until,
 )
 
@@ -121,12 +122,7 @@ def finished_total(values: dict) -> float:
 
 def assert_settled(server) -> dict:
     """Nothing running or waiting (the last cancelled jobs end within a decode step or so)."""
-
-    def idle():
-        values = metrics(server)
-        return values["inkling2:num_requests_running"] == 0 and values["inkling2:num_requests_waiting"] == 0
-
-    assert wait_until(idle, 10), f"still running or waiting: {metrics(server)}"
+    assert wait_until(lambda: settled(server), 10), f"still running or waiting: {metrics(server)}"
     return metrics(server)
 
 

@@ -109,13 +109,13 @@ class GenerationWorker:
                 job.finish()
                 continue
             self.metrics.running.inc()
+            failure = None
             try:
                 self.backend(job)
-                job.finish()
             except BaseException as error:  # handed to the request, which reports it
-                job.finish(error)
-            finally:
-                self.metrics.running.dec()
+                failure = error
+            self.metrics.running.dec()  # before the request hears of the end: a reply never races its gauge
+            job.finish(failure)
 
     def close(self) -> None:
         with self._lock:

@@ -23,13 +23,14 @@ RANKS = {
     "parallel": 5,
     "generation": 6,
     "dspark": 6,
-    "serving": 7,
-    "finetuning": 7,
-    "tiny": 7,
-    "cli": 8,
-    "__main__": 9,
+    "engine": 7,
+    "serving": 8,
+    "finetuning": 8,
+    "tiny": 8,
+    "cli": 9,
+    "__main__": 10,
 }
-FAST_PATHS = ("backends", "generation", "serving", "quantization", "dspark")
+FAST_PATHS = ("backends", "generation", "engine", "serving", "quantization", "dspark")
 
 
 def module_name(path: Path) -> str:

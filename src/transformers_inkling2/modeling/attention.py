@@ -8,8 +8,9 @@ Every backend computes, for each query head, softmax attention over the visible 
 A backend is a function `(query, key, value, relative_logits, sinks, query_positions, key_positions,
 key_padding, sliding_window, scaling) -> [batch, queries, heads, head_dim]` registered with
 `register_attention_backend` under the name users pass as `attn_implementation` (the fast ones live in
-`backends/attention/`). Positions are physical stream positions (1-D, shared by the
-batch); `key_padding` is [batch, keys] (True = real token) or None. Key positions need not ascend: the static
+`backends/attention/`). Positions are physical stream positions: 1-D and shared by the batch, or [batch, queries]
+and [batch, keys] when every row has its own (the serving engine's decode steps, at most `MAX_STEP_TOKENS` queries:
+only the eager and decode paths take them); `key_padding` is [batch, keys] (True = real token) or None. Key positions need not ascend: the static
 cache's sliding-window rings hold keys in slot order (see `ANY_ORDER_FALLBACK` for backends that need order).
 """
 
@@ -23,6 +24,12 @@ import torch.nn.functional as F
 from .interfaces import ATTENTION_BACKENDS
 
 
+def position_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """`query position - key position`, [batch or 1, 1, queries, keys], for shared (1-D) or per-row (2-D) positions."""
+    distance = query_positions[..., :, None] - key_positions[..., None, :]
+    return distance.view(-1, 1, *distance.shape[-2:])
+
+
 def visible_keys(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
@@ -30,11 +37,10 @@ def visible_keys(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """[batch or 1, 1, queries, keys] True where a query may attend to a key: causal, in the window, not padding."""
-    distance = query_positions[:, None] - key_positions[None, :]
+    distance = position_distance(query_positions, key_positions)
     visible = distance >= 0
     if sliding_window is not None:
         visible = visible & (distance < sliding_window)
-    visible = visible[None, None]
     if key_padding is not None:
         visible = visible & key_padding[:, None, None, :].bool()
     return visible
@@ -45,7 +51,7 @@ def relative_bias(
 ) -> torch.Tensor:
     """Expands [batch, heads, queries, extent] relative logits to a [batch, heads, queries, keys] bias."""
     extent = relative_logits.shape[-1]
-    distance = query_positions[:, None] - key_positions[None, :]
+    distance = position_distance(query_positions, key_positions)
     in_range = (distance >= 0) & (distance < extent)
     index = distance.clamp(0, extent - 1).expand(*relative_logits.shape[:2], -1, -1)
     return relative_logits.gather(-1, index).masked_fill(~in_range, 0.0)

@@ -32,6 +32,7 @@ from ..cache.common import (
     join_convolution_context,
 )
 from ..cache.dynamic import Inkling2Cache
+from ..cache.paged import Inkling2PagedCache
 from ..cache.static import Inkling2StaticCache
 from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
 from .activation_memory import CHUNK_GRANULE, automatic_prefill_chunk
@@ -44,6 +45,7 @@ from .norms import Inkling2RMSNorm, rms_normalize
 from .tensors import fp32_operand, local_tensor, shared_fp32
 
 logger = logging.get_logger(__name__)
+INKLING2_CACHES = (Inkling2Cache, Inkling2StaticCache, Inkling2PagedCache)
 
 
 def l2_clip(x: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -604,7 +606,9 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         `output_attentions=True` each layer's attention probabilities, `output_router_logits=True` each router's
         logits [tokens, experts]. `cache_position` ([new tokens]) gives the new tokens' stream positions on the device
         (default: right after the cached tokens), which a captured decode step reads instead of a host count; with an
-        `Inkling2StaticCache`, `attention_mask` may then hold just the new tokens' columns."""
+        `Inkling2StaticCache`, `attention_mask` may then hold just the new tokens' columns. With the serving engine's
+        `Inkling2PagedCache`, `cache_position` is [rows, new tokens] for a decode step (every row at its own length)
+        or [new tokens] for one row's prompt chunk."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if inputs_embeds is None:
@@ -616,12 +620,14 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             use_cache, past_key_values = False, None
         if use_cache and past_key_values is None:
             past_key_values = Inkling2Cache(self.config)
-        if past_key_values is not None and not isinstance(past_key_values, (Inkling2Cache, Inkling2StaticCache)):
+        if past_key_values is not None and not isinstance(past_key_values, INKLING2_CACHES):
             raise TypeError(
-                f"Inkling2 needs an `Inkling2Cache` or `Inkling2StaticCache` (they also hold short-convolution "
-                f"states), got {type(past_key_values).__name__}. Pass `past_key_values=None` or an "
+                f"Inkling2 needs an `Inkling2Cache`, `Inkling2StaticCache` or `Inkling2PagedCache` (they also hold "
+                f"short-convolution states), got {type(past_key_values).__name__}. Pass `past_key_values=None` or an "
                 "`Inkling2Cache(config)`."
             )
+        if isinstance(past_key_values, Inkling2PagedCache) and cache_position is None:
+            raise ValueError("With an `Inkling2PagedCache` (rows of different lengths) pass `cache_position`.")
 
         batch, length, _ = inputs_embeds.shape
         if prefill_chunk_size is None:
@@ -630,14 +636,14 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             return self.prefill_in_chunks(
                 inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, prefill_chunk_size, **kwargs
             )
-        static = isinstance(past_key_values, Inkling2StaticCache)
+        static = isinstance(past_key_values, (Inkling2StaticCache, Inkling2PagedCache))
         query_positions, past_length = cache_position, None
-        if query_positions is None or not static:  # a captured step reads no host-side length (Inkling2StaticCache)
+        if query_positions is None or not static:  # a captured step reads no host-side length
             past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
         if query_positions is None:
             query_positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
-        if position_ids is None:
-            position_ids = query_positions[None]
+        if position_ids is None:  # [1, new] shared by the batch, or [batch, new] when every row has its own
+            position_ids = query_positions.view(-1, length)
         if static:  # it keeps the padding of the cached tokens itself
             attention_mask = self._new_tokens_mask(attention_mask, batch, length)
             past_key_values.begin_step(query_positions)  # the step's slots, once for all layers

@@ -385,16 +385,20 @@ def inkling2_decode_attention(
     scores = torch.matmul(folded, key.transpose(2, 3)).float() * scaling
     scores = scores.view(batch, kv_heads, groups, query_length, key_length)
 
+    # Positions as [rows, Q] and [rows, K], rows = 1 when the batch shares them (both 1-D), else batch.
+    rows = max(query_positions.view(-1, query_length).shape[0], key_positions.view(-1, key_length).shape[0])
+    query_positions = query_positions.view(-1, query_length).expand(rows, -1)
+    key_positions = key_positions.view(-1, key_length).expand(rows, -1)
     # Bias: query i reaches back `t < extent` tokens, to position p_i - t. Keys sit in ascending order or in a ring
     # (slot = position mod K): either way position x is at index (x - key_positions[0]) mod K when it is held.
-    reached_positions = query_positions[:, None] - torch.arange(extent, device=query.device)[None, :]
-    reached = (reached_positions - key_positions[0]).remainder(key_length)
-    in_keys = key_positions[reached] == reached_positions
-    bias = relative_logits.float().masked_fill(~in_keys, 0.0)
+    reached_positions = query_positions[:, :, None] - torch.arange(extent, device=query.device)
+    reached = (reached_positions - key_positions[:, :1, None]).remainder(key_length)  # [rows, Q, extent]
+    in_keys = key_positions.gather(1, reached.flatten(1)).view_as(reached) == reached_positions
+    bias = relative_logits.float().masked_fill(~in_keys[:, None], 0.0)
     bias = bias.view(batch, kv_heads, groups, query_length, extent)
-    scores.scatter_add_(-1, reached.expand_as(bias), bias)
+    scores.scatter_add_(-1, reached[:, None, None].expand_as(bias), bias)
 
-    distance = query_positions[:, None] - key_positions[None, :]
+    distance = (query_positions[:, :, None] - key_positions[:, None, :])[:, None, None]  # [rows, 1, 1, Q, K]
     visible = distance >= 0
     if sliding_window is not None:
         visible = visible & (distance < sliding_window)

@@ -1,0 +1,69 @@
+"""Choosing each row's next token from its logits with the row's own parameters.
+
+A row's scores go through its logits processors, then temperature, top-k and top-p (transformers' warpers, in
+`generate()`'s order), then an argmax (greedy) or a draw from the softmax with `torch.multinomial` and the row's
+generator: a seeded request samples what `torch.manual_seed(seed)` and `generate(do_sample=True)` would, whatever
+else runs in the batch. Greedy rows without processors, the common case, share one argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .requests import Sequence
+
+
+def row_processors(sequence: Sequence) -> LogitsProcessorList:
+    """The row's processors and warpers, in the order generate() applies them."""
+    params = sequence.params
+    processors = LogitsProcessorList(params.logits_processors)
+    if params.sampled:
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p is not None and params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(params.top_p))
+    return processors
+
+
+def row_generator(sequence: Sequence, device: torch.device) -> torch.Generator | None:
+    """The request's own random stream, made once (None: the global one)."""
+    if sequence.generator is None and sequence.params.seed is not None:
+        sequence.generator = torch.Generator(device).manual_seed(sequence.params.seed)
+    return sequence.generator
+
+
+def processed_scores(sequence: Sequence, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """[positions, vocab] fp32 scores after the row's processors; position j sees `prefix` plus the j tokens
+    after it (`prefix` holds them all)."""
+    processors = row_processors(sequence)
+    logits = logits.float()
+    if not processors:
+        return logits
+    first = len(prefix) - logits.shape[0] + 1
+    ids = torch.tensor(prefix, device=logits.device)
+    return torch.cat([processors(ids[None, : first + j], logits[j : j + 1]) for j in range(logits.shape[0])])
+
+
+def draw(sequence: Sequence, scores: torch.Tensor) -> torch.Tensor:
+    """One token per row of processed `scores` [n, vocab]: the argmax, or a draw with the row's generator."""
+    if not sequence.params.sampled:
+        return scores.argmax(-1)
+    probabilities = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probabilities, 1, generator=row_generator(sequence, scores.device)).squeeze(-1)
+
+
+def next_tokens(sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """The next token of every sequence from its last logits `logits` [len(sequences), vocab]; one transfer."""
+    plain = [i for i, s in enumerate(sequences) if not s.params.sampled and not s.params.logits_processors]
+    chosen = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
+    if plain:
+        index = torch.tensor(plain, device=logits.device)
+        chosen[index] = logits.index_select(0, index).argmax(-1)
+    plain_rows = set(plain)
+    for i, sequence in enumerate(sequences):
+        if i not in plain_rows:
+            chosen[i] = draw(sequence, processed_scores(sequence, sequence.tokens, logits[i : i + 1]))[0]
+    return chosen.tolist()

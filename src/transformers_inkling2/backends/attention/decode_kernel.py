@@ -10,8 +10,12 @@ runs online. A second kernel merges the slices and the sink by log-sum-exp:
 
     out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)),   M = max(m_s..., sink).
 
-Keys may sit in any order (the static cache's rings): nothing here assumes ascending positions. No host
-synchronization: grids depend on shapes only, so a decode step with this kernel can be captured in a CUDA graph.
+Keys may sit in any order (the static cache's rings): nothing here assumes ascending positions. Positions may be
+shared by the batch (1-D) or per row ([B, Q], [B, K]: the serving engine's rows each at their own position), read
+with a batch stride of 0 when shared. Paged keys and values (`block_table`): key j of batch row b lives in page
+`block_table[b, j // page_size]` of the key/value pools, slot j % page_size; pages hold whole key blocks, so a
+block finds its page with one load. No host synchronization: grids depend on shapes only, so a decode step with
+this kernel can be captured in a CUDA graph.
 Imported only when a CUDA tensor reaches the decode path (triton is not a CPU dependency).
 """
 
@@ -50,24 +54,40 @@ def _folded_rows(pair, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl
 
 
 @triton.jit
+def _key_block(k_ptr, v_ptr, bt_row_ptr, b, kv_head, k0, stride_kb, stride_kh, stride_vb, stride_vh,
+               BN: tl.constexpr, PAGE: tl.constexpr):
+    """Where keys [k0, k0 + BN) of batch row b lie: (key base, value base, slots). Paged (PAGE > 0): in page
+    `block_table[b, k0 // PAGE]` of the pools, from slot k0 % PAGE (a page holds whole blocks); otherwise row b of
+    key/value is its own page."""
+    if PAGE > 0:
+        page = tl.load(bt_row_ptr + k0 // PAGE).to(tl.int64)
+        slots = k0 % PAGE + tl.arange(0, BN)
+    else:
+        page = b
+        slots = k0 + tl.arange(0, BN)
+    return k_ptr + page * stride_kb + kv_head * stride_kh, v_ptr + page * stride_vb + kv_head * stride_vh, slots
+
+
+@triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, rl_ptr, qpos_ptr, kpos_ptr, pad_ptr, m_ptr, l_ptr, acc_ptr, stride_qb, stride_qh, stride_qq,
-    stride_kb, stride_kh, stride_kk, stride_vb, stride_vh, stride_vk, stride_rb, stride_rh, stride_rq, stride_pb,
-    key_length, keys_per_split, num_splits, extent, window, scaling, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr,
-    QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BN: tl.constexpr, HAS_PADDING: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, rl_ptr, qpos_ptr, kpos_ptr, pad_ptr, bt_ptr, m_ptr, l_ptr, acc_ptr, stride_qb, stride_qh,
+    stride_qq, stride_kb, stride_kh, stride_kk, stride_vb, stride_vh, stride_vk, stride_rb, stride_rh, stride_rq,
+    stride_pb, stride_qpb, stride_kpb, stride_btb, key_length, keys_per_split, num_splits, extent, window, scaling,
+    KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+    BN: tl.constexpr, PAGE: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     """grid (batch * kv_heads, splits): running max m, sum l and unnormalized output acc of each row over the
-    keys [split * keys_per_split, ...) of one kv head."""
+    keys [split * keys_per_split, ...) of one kv head. Positions are read at batch strides (0: shared); PAGE > 0:
+    keys and values are page pools indexed by the block table (see `_key_block`)."""
     pair, split = tl.program_id(0), tl.program_id(1)
     b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qq + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
-    query_position = tl.load(qpos_ptr + query)
+    query_position = tl.load(qpos_ptr + b * stride_qpb + query)
     bias_rows = rl_ptr + b * stride_rb + head * stride_rh + query * stride_rq
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    block_table_row = bt_ptr + b * stride_btb
 
     m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((ROWS,), dtype=tl.float32)
@@ -77,15 +97,17 @@ def _decode_partial_kernel(
     for k0 in range(start, stop, BN):
         cols = k0 + tl.arange(0, BN)
         col_ok = cols < stop
-        k = tl.load(k_base + cols[:, None] * stride_kk + dims[None, :], mask=col_ok[:, None], other=0.0)
+        k_base, v_base, slots = _key_block(k_ptr, v_ptr, block_table_row, b, kv_head, k0, stride_kb, stride_kh,
+                                           stride_vb, stride_vh, BN, PAGE)
+        k = tl.load(k_base + slots[:, None] * stride_kk + dims[None, :], mask=col_ok[:, None], other=0.0)
         scores = tile_scores(q, k, DOT_FP32)
-        key_position = tl.load(kpos_ptr + cols, mask=col_ok, other=0)
+        key_position = tl.load(kpos_ptr + b * stride_kpb + cols, mask=col_ok, other=0)
         distance = query_position[:, None] - key_position[None, :]
         visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
                                HAS_PADDING)
         bias = tl.load(bias_rows[:, None] + distance, mask=visible & (distance < extent), other=0.0)
         scores = tl.where(visible, (scores * scaling + bias.to(tl.float32)) * LOG2E, float("-inf"))
-        v = tl.load(v_base + cols[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + slots[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
         m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
     part = pair * num_splits + split
     tl.store(m_ptr + part * ROWS + rows, m)
@@ -130,6 +152,13 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and rows <= MAX_ROWS and query.dtype == key.dtype
 
 
+def _per_row(positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """Positions [n] (shared by the batch) or [B, n] as [B, n] with unit stride along n: a shared vector is
+    expanded, batch stride 0, never copied per row."""
+    positions = positions.contiguous()
+    return positions.view(-1, positions.shape[-1]).expand(batch, -1)
+
+
 @torch.library.custom_op("inkling2::decode_attention", mutates_args=())
 def decode_attention(
     query: torch.Tensor,
@@ -142,12 +171,26 @@ def decode_attention(
     key_padding: torch.Tensor | None,
     sliding_window: int | None,
     scaling: float,
+    block_table: torch.Tensor | None = None,
+    page_size: int = 0,
 ) -> torch.Tensor:
     """Same contract as `modeling.attention.eager_attention` (query [B, H, Q, D], key/value [B, Hkv, K, D] in any
-    slot order, relative_logits [B, H, Q, extent], sinks [B, H, Q]) -> [B, Q, H, D]. A custom op: `torch.compile`
-    (the compiled decode steps) calls it as it is instead of tracing and recompiling the kernels."""
+    slot order, relative_logits [B, H, Q, extent], sinks [B, H, Q], positions [Q] / [K] shared by the batch or
+    [B, Q] / [B, K] per row) -> [B, Q, H, D]. With `block_table` (int32 [B, pages per row]), key/value are page
+    pools [pages, Hkv, page_size, D] and the logical keys are K = pages per row * page_size (key_positions and
+    key_padding index those); page_size must be a multiple of BLOCK_KEYS. A custom op: `torch.compile` (the compiled
+    decode steps) calls it as it is instead of tracing and recompiling the kernels."""
     batch, heads, queries, head_dim = query.shape
-    kv_heads, key_length = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
+    if block_table is None:
+        key_length = key.shape[2]
+    elif page_size <= 0 or page_size % BLOCK_KEYS or page_size != key.shape[2]:
+        raise ValueError(
+            f"page_size ({page_size}) must be a positive multiple of {BLOCK_KEYS} (a page holds whole key blocks) "
+            f"and the pools' page length ({key.shape[2]})"
+        )
+    else:
+        key_length = block_table.shape[1] * page_size
     groups = heads // kv_heads
     rows = max(16, triton.next_power_of_2(groups * queries))
     pairs = batch * kv_heads
@@ -158,6 +201,8 @@ def decode_attention(
     splits = triton.cdiv(key_length, keys_per_split)
 
     query, key, value, relative_logits, padding, fp32 = kernel_inputs(query, key, value, relative_logits, key_padding)
+    query_positions, key_positions = _per_row(query_positions, batch), _per_row(key_positions, batch)
+    table = query_positions if block_table is None else block_table.contiguous()  # a placeholder pointer when unpaged
     device = query.device
     m = torch.empty(pairs * splits * rows, dtype=torch.float32, device=device)
     l = torch.empty_like(m)
@@ -165,14 +210,14 @@ def decode_attention(
     output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=device)
     constants = dict(KV_HEADS=kv_heads, GROUPS=groups, QUERIES=queries, ROWS=rows, DIM=head_dim)
     _decode_partial_kernel[(pairs, splits)](
-        query, key, value, relative_logits, query_positions.contiguous(), key_positions.contiguous(), padding,
-        m, l, acc,
+        query, key, value, relative_logits, query_positions, key_positions, padding, table, m, l, acc,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         relative_logits.stride(0), relative_logits.stride(1), relative_logits.stride(2), padding.stride(0),
+        query_positions.stride(0), key_positions.stride(0), table.stride(0),
         key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling,
-        BN=BLOCK_KEYS, HAS_PADDING=key_padding is not None, HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32,
-        num_warps=4, **constants,
+        BN=BLOCK_KEYS, PAGE=0 if block_table is None else page_size, HAS_PADDING=key_padding is not None,
+        HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32, num_warps=4, **constants,
     )  # fmt: skip
     _decode_merge_kernel[(pairs,)](
         m, l, acc, sinks, output, sinks.stride(0), sinks.stride(1), sinks.stride(2),
@@ -181,7 +226,11 @@ def decode_attention(
     return output
 
 
-decode_attention.register_fake(attention_output_like)
+@decode_attention.register_fake
+def _output_like(*inputs):
+    """For tracing: the output's shape and dtype, which the paging arguments (after the ten of
+    `attention_output_like`; the dispatcher leaves them out where they are the defaults) do not change."""
+    return attention_output_like(*inputs[:10])
 
 
 __all__ = ["decode_attention", "supports"]

@@ -131,6 +131,11 @@ class Inkling2PagedCache:
             if kind == SLIDING_LAYER
         }
         self.conv_inputs: list[list[torch.Tensor | None]] = [[None] * NUM_CONVOLUTIONS for _ in range(layers)]
+        # the DSpark drafter's context, per drafter layer (`enable_drafter_context`, allocated at the first write)
+        self.context_capacity = 0
+        self.context_keys: list[torch.Tensor | None] = []
+        self.context_values: list[torch.Tensor | None] = []
+        self.context_positions: torch.Tensor | None = None
         self.rows = slice(0, max_rows)
         self.key_span: int | None = None  # the full layers' keys a step attends to (a multiple of the page size)
         self.step: RowStep | None = None
@@ -152,21 +157,53 @@ class Inkling2PagedCache:
         """Row `row`'s pages `first, first + 1, ...` are `pages`."""
         self.block_table[row, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
 
+    def enable_drafter_context(self, num_layers: int, context_window: int) -> None:
+        """Rows also keep a DSpark drafter's context: `context_window + MAX_STEP_TOKENS` positions per layer."""
+        self.context_capacity = context_window + MAX_STEP_TOKENS
+        self.context_keys, self.context_values = [None] * num_layers, [None] * num_layers
+        self.context_positions = empty_positions(self.max_rows, self.context_capacity, self.device)
+
     def reset_row(self, row: int) -> None:
         """An empty row for a new sequence: no pages, no positions held."""
         self.block_table[row] = TRASH_PAGE
-        self.conv_positions[row] = empty_positions(1, self.conv_capacity, self.device)[0]
-        for positions in self.slot_positions.values():
-            positions[row] = empty_positions(1, self.sliding_capacity, self.device)[0]
+        for positions in self._position_rings():
+            positions[row] = empty_positions(1, positions.shape[1], self.device)[0]
+
+    def _position_rings(self) -> list[torch.Tensor]:
+        rings = [self.conv_positions, *self.slot_positions.values()]
+        return rings if self.context_positions is None else [*rings, self.context_positions]
 
     def move_row(self, source: int, target: int) -> None:
         """Row `source`'s whole state to row `target` (the engine keeps its occupied rows contiguous)."""
-        row_tensors = [self.block_table, self.conv_positions, *self.slot_positions.values()]
-        row_tensors += [t for i, t in enumerate(self.keys) if t is not None and self.layer_types[i] == SLIDING_LAYER]
-        row_tensors += [t for i, t in enumerate(self.values) if t is not None and self.layer_types[i] == SLIDING_LAYER]
-        row_tensors += [t for per_layer in self.conv_inputs for t in per_layer if t is not None]
+        sliding = [i for i, kind in enumerate(self.layer_types) if kind == SLIDING_LAYER]
+        row_tensors = [self.block_table, *self._position_rings()]
+        row_tensors += [self.keys[i] for i in sliding] + [self.values[i] for i in sliding]
+        row_tensors += [t for per_layer in self.conv_inputs for t in per_layer]
+        row_tensors += self.context_keys + self.context_values
         for tensor in row_tensors:
-            tensor[target] = tensor[source]
+            if tensor is not None:
+                tensor[target] = tensor[source]
+
+    def write_context(self, layer_keys_values: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor):
+        """The drafter's context keys/values ([rows, kv_heads, tokens, dim] per drafter layer) of the current rows'
+        positions [rows, tokens]: the last `context_capacity` of them, at slot = position mod capacity."""
+        capacity = self.context_capacity
+        positions = positions.view(-1, positions.shape[-1])[:, -capacity:]
+        slots, kept = positions.remainder(capacity), positions.shape[1]
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        for i, (keys, values) in enumerate(layer_keys_values):
+            if self.context_keys[i] is None:
+                self.context_keys[i] = keys.new_zeros(self.max_rows, keys.shape[1], capacity, keys.shape[3])
+                self.context_values[i] = values.new_zeros(self.max_rows, values.shape[1], capacity, values.shape[3])
+            for ring, new in ((self.context_keys[i], keys), (self.context_values[i], values)):
+                ring[self.rows][rows, :, slots] = new[:, :, -kept:].transpose(1, 2)
+        self.context_positions[self.rows].scatter_(1, slots, positions)
+
+    def drafter_context(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """The current rows' drafter context: keys and values per layer, and the positions [rows, capacity] held."""
+        rows = self.rows
+        keys = [ring[rows] for ring in self.context_keys]
+        return keys, [ring[rows] for ring in self.context_values], self.context_positions[rows]
 
     # --- what the model calls -------------------------------------------------------------------------------------
 

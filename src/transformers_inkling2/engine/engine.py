@@ -188,6 +188,9 @@ class Inkling2Engine:
         sampled_rows, last_logits = [], []
         for sequence, first, end in plan.prefill:
             logits = self._prefill(sequence, first, end)
+            if self.drafter is not None:  # the drafter's context of the chunk (its last positions)
+                logits, hidden_states = logits
+                self.drafter.remember(hidden_states, torch.arange(first, end, device=self.device))
             if end == len(sequence.tokens):
                 sampled_rows.append(sequence)
                 last_logits.append(logits)
@@ -229,8 +232,9 @@ class Inkling2Engine:
 
     # --- forwards -------------------------------------------------------------------------------------------------
 
-    def _prefill(self, sequence: Sequence, first: int, end: int, hidden_states: bool = False):
-        """One prompt chunk of one row; returns its last logits [1, vocab] (and the hidden states when asked)."""
+    def _prefill(self, sequence: Sequence, first: int, end: int):
+        """One prompt chunk of one row; returns its last logits [1, vocab] (and, with DSpark, the hidden states)."""
+        hidden_states = self.drafter is not None
         page = self.cache.page_size
         self.cache.use_rows(sequence.slot, sequence.slot + 1, math.ceil(end / page) * page)
         inputs = {}

@@ -288,7 +288,7 @@ class DSparkDecoder:
     def verify(self, anchor: torch.Tensor, drafts: torch.Tensor, draft_distributions: torch.Tensor | None):
         """Target pass over [anchor, drafts]; returns (accepted draft counts [batch], the target's next token per row,
         the target's hidden states)."""
-        batch, num_drafts = drafts.shape
+        num_drafts = drafts.shape[1]
         candidates = torch.cat([anchor[:, None], drafts], dim=1)
         positions = self.real_lengths[:, None] + torch.arange(num_drafts + 1, device=drafts.device)
         mask = None
@@ -306,23 +306,9 @@ class DSparkDecoder:
             )
         else:
             scores = processed(None, None, output.logits, drafts.device)
-        rows = torch.arange(batch, device=drafts.device)
         if not self.do_sample:
-            choices = scores.argmax(-1)
-            accepted = (drafts == choices[:, :num_drafts]).long().cumprod(-1).sum(-1)
-            return accepted, choices[rows, accepted], output.hidden_states
-        target = torch.softmax(scores, dim=-1)
-        if draft_distributions is None:  # argmax drafts: a point mass on each draft
-            draft_distributions = torch.zeros_like(target[:, :num_drafts]).scatter_(-1, drafts[..., None], 1.0)
-        p_draft = target[:, :num_drafts].gather(-1, drafts[..., None]).squeeze(-1)
-        q_draft = draft_distributions.gather(-1, drafts[..., None]).squeeze(-1)
-        keep = torch.rand_like(p_draft) * q_draft < p_draft  # u < p/q without dividing by a zero q
-        accepted = keep.long().cumprod(-1).sum(-1)
-        padded_q = torch.cat([draft_distributions, torch.zeros_like(target[:, :1])], dim=1)
-        residual = (target[rows, accepted] - padded_q[rows, accepted]).clamp(min=0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target[rows, accepted])
-        return accepted, torch.multinomial(residual, 1).squeeze(-1), output.hidden_states
+            return *greedy_acceptance(scores, drafts), output.hidden_states
+        return *sampled_acceptance(scores, drafts, draft_distributions), output.hidden_states
 
     def commit(self, kept: list[int], hidden_states, candidates: torch.Tensor):
         """Keeps `kept[b]` of the tokens just verified in every cache (see the module docstring): every row keeps the
@@ -363,6 +349,40 @@ class DSparkDecoder:
         self.step_count += 1
         self.accepted_counts += [c - 1 for c, a in zip(counts, alive) if a]
         return next_token, [row[1 : 1 + count] for row, count in zip(rows, counts)]
+
+
+def greedy_acceptance(scores: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted draft counts [batch], the target's next token [batch]) from the target's processed scores [batch,
+    drafts + 1, vocab] of a verification pass: a draft is accepted while it is the target's argmax."""
+    choices = scores.argmax(-1)
+    accepted = (drafts == choices[:, : drafts.shape[1]]).long().cumprod(-1).sum(-1)
+    return accepted, choices[torch.arange(len(drafts), device=drafts.device), accepted]
+
+
+def sampled_acceptance(
+    scores: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_distributions: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lossless rule of the module docstring for sampling: draft `d` is accepted with probability `min(1, p(d) /
+    q(d))`, and the first rejection draws from `normalize(max(p - q, 0))` (all accepted: from the last `p`).
+    `draft_distributions` None: argmax drafts (a point mass on each). `generator`: a request's own random stream."""
+    rows = torch.arange(len(drafts), device=drafts.device)
+    num_drafts = drafts.shape[1]
+    target = torch.softmax(scores, dim=-1)
+    if draft_distributions is None:
+        draft_distributions = torch.zeros_like(target[:, :num_drafts]).scatter_(-1, drafts[..., None], 1.0)
+    p_draft = target[:, :num_drafts].gather(-1, drafts[..., None]).squeeze(-1)
+    q_draft = draft_distributions.gather(-1, drafts[..., None]).squeeze(-1)
+    uniform = torch.rand(p_draft.shape, generator=generator, device=p_draft.device, dtype=p_draft.dtype)
+    keep = uniform * q_draft < p_draft  # u < p/q without dividing by a zero q
+    accepted = keep.long().cumprod(-1).sum(-1)
+    padded_q = torch.cat([draft_distributions, torch.zeros_like(target[:, :1])], dim=1)
+    residual = (target[rows, accepted] - padded_q[rows, accepted]).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target[rows, accepted])
+    return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
 
 
 class CapturedCall:
@@ -485,4 +505,4 @@ def dspark_decoding(
     )
 
 
-__all__ = ["DSparkOptions", "Inkling2DSparkGenerateOutput", "dspark_decoding"]
+__all__ = ["DSparkOptions", "Inkling2DSparkGenerateOutput", "dspark_decoding", "greedy_acceptance", "sampled_acceptance"]

@@ -148,7 +148,9 @@ class Inkling2DSparkAttention(nn.Module):
         block_keys, block_values = self.keys_values(x)
         keys = torch.cat([context_keys, block_keys], dim=2)
         values = torch.cat([context_values, block_values], dim=2)
-        context_bias = self.distance_bias[:, context_view.buckets].masked_fill(~context_view.visible, HIDDEN)
+        # [heads, (batch,) Q, C] -> [(batch,) heads, Q, C]
+        context_bias = self.distance_bias[:, context_view.buckets].movedim(0, -3)
+        context_bias = context_bias.masked_fill(~context_view.visible, HIDDEN)
         num_blocks = queries // self.block_size
         same_block = torch.eye(num_blocks, dtype=torch.bool, device=x.device)
         same_block = same_block.repeat_interleave(self.block_size, 0).repeat_interleave(self.block_size, 1)
@@ -172,19 +174,20 @@ def attend(queries, keys, values, bias):
 class ContextView:
     """Which context positions every block query sees, and at which distance bucket; shared by the drafter layers.
 
-    `buckets` [Q, C]: `min(query position - key position, buckets) - 1`; `visible` [batch, 1, Q, C]: the key is real
-    (padding mask), before the query's block, and less than `context_window` before the block's anchor."""
+    Positions are shared by the batch (`anchor_positions` [blocks], `key_positions` [C]) or every row's own
+    ([batch, blocks] and [batch, C]: the serving engine's rows). `buckets` [Q, C] or [batch, Q, C]: `min(query
+    position - key position, buckets) - 1`; `visible` [batch, 1, Q, C]: the key is real (padding mask), before the
+    query's block, and less than `context_window` before the block's anchor."""
 
     def __init__(self, anchor_positions, key_positions, key_is_real, block_size: int, window: int, num_buckets: int):
-        query_positions = (
-            anchor_positions[:, None] + torch.arange(block_size, device=anchor_positions.device)
-        ).flatten()
-        query_anchors = anchor_positions.repeat_interleave(block_size)
-        distance = query_positions[:, None] - key_positions[None, :]
+        offsets = torch.arange(block_size, device=anchor_positions.device)
+        query_positions = (anchor_positions[..., :, None] + offsets).flatten(-2)
+        query_anchors = anchor_positions.repeat_interleave(block_size, dim=-1)
+        distance = query_positions[..., :, None] - key_positions[..., None, :]
         self.buckets = distance.clamp(1, num_buckets) - 1
-        anchor_distance = query_anchors[:, None] - key_positions[None, :]
+        anchor_distance = query_anchors[..., :, None] - key_positions[..., None, :]
         in_reach = (anchor_distance > 0) & (anchor_distance <= window)
-        self.visible = (in_reach[None] & key_is_real[:, None, :])[:, None]
+        self.visible = (in_reach & key_is_real[:, None, :])[:, None]
 
 
 class Inkling2DSparkMLP(nn.Module):

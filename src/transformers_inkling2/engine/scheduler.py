@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from ..cache.paged import TRASH_PAGE, Inkling2PagedCache, pages_for
 from .requests import Sequence
 
-MIN_PREFILL_CHUNK = 256  # tokens of prompt a step runs even when its decode rows take the whole budget
+# the share of the step budget that prompt chunks keep even when decode rows would take it all (time to first token)
+MIN_PREFILL_SHARE = 8
 
 
 class RequestTooLong(ValueError):
@@ -109,7 +110,7 @@ class Scheduler:
                 if victim is sequence:
                     break
         plan.decode = [s for s in plan.decode if s.slot is not None]
-        budget = max(self.max_step_tokens - len(plan.decode) * self.step_tokens, MIN_PREFILL_CHUNK)
+        budget = max(self.max_step_tokens - len(plan.decode) * self.step_tokens, self.max_step_tokens // MIN_PREFILL_SHARE, 1)
         for sequence in self.running:
             if budget <= 0:
                 break

@@ -208,3 +208,22 @@ def test_gpu_engine_with_graphs_equals_generate(drafting_model, dspark):
     outputs = engine.generate(requests, SamplingParams(max_new_tokens=16))
     assert engine.graphs and all(graph is not None for graph, _, _ in engine.graphs.values())
     assert outputs == [alone(model, p, 16, do_sample=False) for p in requests]
+
+
+class BanLowTokens:
+    """A request's own logits processor (as the server's grammars are): tokens below 250 never come."""
+
+    def __call__(self, input_ids, scores):
+        return scores.index_fill(-1, torch.arange(250, device=scores.device), -float("inf"))
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_logits_processors_of_a_request_apply_to_its_row_only(drafting_model, dspark):
+    from transformers import LogitsProcessorList
+
+    requests = prompts(15, [10, 22])
+    expected = alone(drafting_model, requests[0], 12, do_sample=False, logits_processor=LogitsProcessorList([BanLowTokens()]))
+    assert min(expected) >= 250
+    params = [SamplingParams(max_new_tokens=12, logits_processors=[BanLowTokens()]), SamplingParams(max_new_tokens=12)]
+    outputs = engine_for(drafting_model, dspark=dspark).generate(requests, params)
+    assert outputs == [expected, alone(drafting_model, requests[1], 12, do_sample=False)]

@@ -17,7 +17,7 @@ from ..cache.common import MAX_STEP_TOKENS
 from ..generation.dspark import greedy_acceptance, sampled_acceptance
 from ..modeling.modeling_inkling2_dspark import ContextView
 from .requests import Sequence
-from .sampling import processed_scores, row_generator
+from .sampling import needs_processing, processed_scores, row_generator
 
 
 class RowDrafter:
@@ -62,15 +62,17 @@ class RowDrafter:
 
         slots = torch.tensor([s.slot for s in rows], device=ids.device)
         row_logits, row_drafts = logits.index_select(0, slots), drafts.index_select(0, slots)
-        accepted, following = greedy_acceptance(row_logits, row_drafts)  # every row's, kept for the greedy ones
+        accepted, following = greedy_acceptance(row_logits, row_drafts)  # kept for the plain greedy rows
         accepted, following = accepted.tolist(), following.tolist()
         for i, sequence in enumerate(rows):
-            if sequence.params.sampled:
-                prefix = sequence.tokens + row_drafts[i].tolist()
-                scores = processed_scores(sequence, prefix, row_logits[i])
-                count, token = sampled_acceptance(
-                    scores[None], row_drafts[i : i + 1], distributions[sequence.slot][None], row_generator(sequence, ids.device)
-                )
+            if needs_processing(sequence):  # each position's scores as its prefix makes them
+                scores = processed_scores(sequence, sequence.tokens + row_drafts[i].tolist(), row_logits[i])[None]
+                if sequence.params.sampled:
+                    generator = row_generator(sequence, ids.device)
+                    q = distributions[sequence.slot][None]
+                    count, token = sampled_acceptance(scores, row_drafts[i : i + 1], q, generator)
+                else:
+                    count, token = greedy_acceptance(scores, row_drafts[i : i + 1])
                 accepted[i], following[i] = int(count), int(token)
             sequence.draft_steps += 1
             sequence.accepted_drafts += accepted[i]
@@ -95,16 +97,22 @@ class RowDrafter:
         )
         hidden = self.drafter.block_hidden_states(embeddings, keys, values, view)
         base_logits = self.model.compute_logits(hidden)
-        sampled = [(slot, s) for slot, s in enumerate(by_slot) if s is not None and s.params.sampled]
-        distributions = {slot: [] for slot, _ in sampled}
+        special = [(slot, s) for slot, s in enumerate(by_slot) if s is not None and needs_processing(s)]
+        distributions = {slot: [] for slot, s in special if s.params.sampled}
         state, previous, drafts = self.drafter.initial_state(rows, hidden), anchors, []
         for k in range(self.block_size):
             state, logits, _ = self.drafter.head_step(state, previous, hidden[:, k], base_logits[:, k])
             previous = logits.argmax(-1)
-            for slot, sequence in sampled:
-                probabilities = torch.softmax(processed_scores(sequence, [], logits[slot : slot + 1]), dim=-1)
+            for slot, sequence in special:
+                prefix = sequence.tokens + [int(d[slot]) for d in drafts]
+                scores = processed_scores(sequence, prefix, logits[slot : slot + 1])
+                if not sequence.params.sampled:
+                    previous[slot] = scores[0].argmax()
+                    continue
+                probabilities = torch.softmax(scores, dim=-1)
                 draw = torch.multinomial(probabilities, 1, generator=row_generator(sequence, logits.device))
                 previous[slot] = draw[0, 0]
                 distributions[slot].append(probabilities[0])
             drafts.append(previous)
         return torch.stack(drafts, dim=1), {slot: torch.stack(d) for slot, d in distributions.items()}
+

@@ -141,8 +141,6 @@ class Inkling2Engine:
                 f"The prompt has {len(prompt_ids)} tokens; this engine holds {self.max_model_len} per sequence "
                 "(`max_model_len`). Shorten the prompt."
             )
-        if self.drafter is not None and params.logits_processors:
-            raise ValueError("With DSpark, requests take temperature, top-k and top-p, not logits processors.")
         sequence = Sequence(prompt_ids, params, image_inputs=image_inputs)
         if request_id is not None:
             if request_id in self.sequences:

@@ -14,6 +14,11 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from .requests import Sequence
 
 
+def needs_processing(sequence: Sequence) -> bool:
+    """Whether the row's scores go through processors (sampling warpers or the request's own) before a choice."""
+    return sequence.params.sampled or bool(sequence.params.logits_processors)
+
+
 def row_processors(sequence: Sequence) -> LogitsProcessorList:
     """The row's processors and warpers, in the order generate() applies them."""
     params = sequence.params
@@ -57,7 +62,7 @@ def draw(sequence: Sequence, scores: torch.Tensor) -> torch.Tensor:
 
 def next_tokens(sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
     """The next token of every sequence from its last logits `logits` [len(sequences), vocab]; one transfer."""
-    plain = [i for i, s in enumerate(sequences) if not s.params.sampled and not s.params.logits_processors]
+    plain = [i for i, s in enumerate(sequences) if not needs_processing(s)]
     chosen = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
     if plain:
         index = torch.tensor(plain, device=logits.device)

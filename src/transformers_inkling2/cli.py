@@ -191,16 +191,26 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def run_plan(args: argparse.Namespace) -> None:
     from .configuration_inkling2 import Inkling2Config
-    from .parallel.planning import format_plan, memory_plan
+    from .parallel.planning import NoRoomForPages, format_pages, format_plan, memory_plan, serving_pages
 
     config = Inkling2Config.from_pretrained(args.config) if args.config else Inkling2Config()
+    engine = {name: getattr(args, name) for name in ("max_num_seqs", "page_size", "max_step_tokens", "dspark")}
     try:
         plan = memory_plan(config, args.variant, args.tp, args.ep, args.context, args.batch, args.prefill_chunk)
+        pages = serving_pages(config, args.gpu_gib, args.variant, args.tp, args.ep, **engine)
+    except NoRoomForPages as error:  # the table still says what does not fit
+        pages = error
     except ValueError as error:
         raise SystemExit(f"inkling2 plan: {error}") from None
     print(
         f"[plan] {args.variant} experts, TP {args.tp} / EP {args.ep or args.tp}, {args.batch} x {args.context:,} tokens, "
         f"prefill chunks of {args.prefill_chunk:,}\n{format_plan(plan, args.gpu_gib)}"
+    )
+    if isinstance(pages, NoRoomForPages):
+        raise SystemExit(f"inkling2 plan: {pages}")
+    print(
+        f"\n[pages] the serving engine: {args.max_num_seqs} rows, pages of {args.page_size} tokens, steps of "
+        f"{args.max_step_tokens:,} tokens{', DSpark' if args.dspark else ''}\n{format_pages(pages)}"
     )
 
 

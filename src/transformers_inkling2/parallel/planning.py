@@ -14,15 +14,21 @@ Counted from the config, the way the model stores things (see `memory_plan`):
   plus the fp32 attention-residual block states of the chunk; with the default chunk (16,384 tokens) a few GB.
 The result is an estimate for planning, not a promise: the CUDA allocator, NCCL buffers and CUDA graphs add
 hundreds of MB to a few GB per GPU.
+
+`serving_pages` sizes the serving engine's cache (`Inkling2Engine` over `Inkling2PagedCache`) instead: what a GPU
+has left after the weights, one step's activations and every row's fixed state, in pages of full-attention keys and
+values.
 """
 
 import copy
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 
 from ..cache.common import MAX_STEP_TOKENS
+from ..cache.paged import full_layer_bytes_per_token, row_state_bytes
 from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2TextConfig
 from ..modeling.activation_memory import prefill_activation_bytes
 
@@ -97,6 +103,26 @@ def weight_bytes(config: Inkling2Config | Inkling2TextConfig, variant: str, tp: 
     return total
 
 
+def checked_sizes(text: Inkling2TextConfig, variant: str, tp: int, ep: int | None, **sizes) -> int:
+    """The expert-parallel size (`tp` unless given), once the variant is known and every size a positive whole
+    number (named when not: a plan of them would divide by zero or print negative memory) and TP / EP divide the
+    heads / experts. An `ep` left out is not named: the message would blame a size nobody gave."""
+    if variant not in VARIANTS:
+        raise ValueError(f"Unknown checkpoint variant {variant!r}: one of {sorted(VARIANTS)}.")
+    sizes = {"tp": tp, **({} if ep is None else {"ep": ep}), **sizes}
+    not_positive = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
+    if not_positive:
+        listing = ", ".join(f"`{name}` = {value}" for name, value in not_positive.items())
+        raise ValueError(f"A memory plan needs positive whole numbers: {listing}.")
+    ep = tp if ep is None else ep
+    if text.num_attention_heads % tp or text.swa_num_attention_heads % tp or text.n_routed_experts % ep:
+        raise ValueError(
+            f"TP {tp} must divide the attention heads ({text.num_attention_heads}) and EP {ep} the experts "
+            f"({text.n_routed_experts})."
+        )
+    return ep
+
+
 def memory_plan(
     config: Inkling2Config | Inkling2TextConfig,
     variant: str = "nvfp4-mxfp8",
@@ -108,19 +134,7 @@ def memory_plan(
 ) -> MemoryPlan:
     """Bytes per GPU; see the module docstring for what is counted and how."""
     text = config.get_text_config()
-    ep = tp if ep is None else ep
-    if variant not in VARIANTS:
-        raise ValueError(f"Unknown checkpoint variant {variant!r}: one of {sorted(VARIANTS)}.")
-    sizes = {"tp": tp, "ep": ep, "context": context, "batch": batch, "prefill_chunk": prefill_chunk}
-    not_positive = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
-    if not_positive:
-        listing = ", ".join(f"`{name}` = {value}" for name, value in not_positive.items())
-        raise ValueError(f"A memory plan needs positive whole numbers: {listing}.")
-    if text.num_attention_heads % tp or text.swa_num_attention_heads % tp or text.n_routed_experts % ep:
-        raise ValueError(
-            f"TP {tp} must divide the attention heads ({text.num_attention_heads}) and EP {ep} the experts "
-            f"({text.n_routed_experts})."
-        )
+    ep = checked_sizes(text, variant, tp, ep, context=context, batch=batch, prefill_chunk=prefill_chunk)
     hidden = text.hidden_size
     weights = weight_bytes(config, variant, tp, ep)
 
@@ -146,3 +160,82 @@ def format_plan(plan: MemoryPlan, gpu_gib: float | None = None) -> str:
         verdict = "fits" if plan.total / GIB <= gpu_gib else "does NOT fit"
         table += f"\n\n{verdict} in {gpu_gib:g} GiB per GPU"
     return table
+
+
+class NoRoomForPages(ValueError):
+    """`serving_pages` found less than the engine's two pages (page 0 is reserved) of memory left."""
+
+
+@dataclass
+class ServingPages:
+    """What one GPU holds when serving: bytes, and `pages` of `page_size` tokens (the pool, what
+    `Inkling2Engine(num_pages=...)` takes; its page 0 is reserved, so sequences hold `pages - 1` of them)."""
+
+    weights: float
+    activations: float
+    row_state: float  # all `max_num_seqs` rows'
+    page_bytes: int
+    pages: int
+    page_size: int
+    max_num_seqs: int
+
+    @property
+    def tokens(self) -> int:
+        return (self.pages - 1) * self.page_size
+
+    @property
+    def tokens_per_sequence(self) -> int:
+        """With every row full: a sequence holds whole pages."""
+        return (self.pages - 1) // self.max_num_seqs * self.page_size
+
+
+def serving_pages(
+    config: Inkling2Config | Inkling2TextConfig,
+    gpu_gib: float,
+    variant: str = "nvfp4-mxfp8",
+    tp: int = 1,
+    ep: int | None = None,
+    max_num_seqs: int = 64,
+    page_size: int = 256,
+    max_step_tokens: int = 2048,
+    dspark: bool = False,
+) -> ServingPages:
+    """The pages of BF16 full-attention keys/values that `gpu_gib` per GPU holds once the weights, the activations of
+    one `max_step_tokens` prompt chunk and `max_num_seqs` rows' fixed state (with `dspark`, the drafter's context
+    too) are counted; `NoRoomForPages` when fewer than two fit."""
+    text = config.get_text_config()
+    sizes = {"max_num_seqs": max_num_seqs, "page_size": page_size, "max_step_tokens": max_step_tokens}
+    ep = checked_sizes(text, variant, tp, ep, **sizes)
+    if not isinstance(gpu_gib, (int, float)) or not 0 < gpu_gib < math.inf:
+        raise ValueError(f"`gpu_gib` must be a positive, finite number of GiB, got {gpu_gib}.")
+    if page_size < 64 or page_size & (page_size - 1):
+        raise ValueError(f"`page_size` must be a power of two of at least 64, got {page_size}.")
+    dspark_config = getattr(config, "dspark_config", None)
+    if dspark and dspark_config is None:
+        raise ValueError("`dspark` needs a config with a DSpark drafter (`dspark_config`); this one has none.")
+    weights = weight_bytes(config, variant, tp, ep)
+    activations = prefill_activation_bytes(text, max_step_tokens, tp)
+    row_state = max_num_seqs * row_state_bytes(text, tp=tp, dspark_config=dspark_config if dspark else None)
+    page_bytes = page_size * full_layer_bytes_per_token(text, tp=tp)
+    pages = int((gpu_gib * GIB - weights - activations - row_state) // page_bytes)
+    if pages < 2:
+        raise NoRoomForPages(
+            f"{gpu_gib:g} GiB per GPU leave no room for the serving engine's pages ({page_bytes / 2**20:,.1f} MiB "
+            f"each, two at least): weights {weights / GIB:,.2f} GiB, one {max_step_tokens:,}-token step's "
+            f"activations {activations / GIB:,.2f} GiB, {max_num_seqs} rows' fixed state {row_state / GIB:,.2f} "
+            "GiB. Split the model over more GPUs (TP / EP), or lower the rows or the step."
+        )
+    return ServingPages(weights, activations, row_state, page_bytes, pages, page_size, max_num_seqs)
+
+
+def format_pages(pages: ServingPages) -> str:
+    rows = {
+        "weights (GiB)": f"{pages.weights / GIB:,.2f}",
+        "step activations (GiB)": f"{pages.activations / GIB:,.2f}",
+        "rows' fixed state (GiB)": f"{pages.row_state / GIB:,.2f}",
+        "pages (GiB)": f"{pages.pages * pages.page_bytes / GIB:,.2f}",
+        "pages": f"{pages.pages:,}",
+        "tokens": f"{pages.tokens:,}",
+        "tokens per sequence": f"{pages.tokens_per_sequence:,}",
+    }
+    return "\n".join(["| serving engine per GPU | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows.items())])

@@ -10,6 +10,7 @@ from inkling2_helpers import (
     MULTIMODAL_CONFIG,
     ORACLE_TEXT_CONFIG,
     build_with_drafter,
+    cast_keeping_fp32_modules,
     images,
 )
 
@@ -200,15 +201,17 @@ def test_images_in_prompts(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dspark", [False, True])
-def test_gpu_engine_with_graphs_equals_generate(drafting_model, dspark):
-    model = build_with_drafter(seed=3).cuda()
+def test_gpu_engine_equals_generate_and_its_graphs_equal_eager_steps(dspark):
     requests = prompts(14)
-    engine = engine_for(model, max_num_seqs=4, dspark=dspark)
-    assert engine.use_cuda_graphs
-    outputs = engine.generate(requests, SamplingParams(max_new_tokens=16))
-    assert engine.graphs and all(graph is not None for graph, _, _ in engine.graphs.values())
+    model = build_with_drafter(seed=3).cuda()  # fp32: token for token against generate() (its experts run eagerly)
+    outputs = engine_for(model, max_num_seqs=4, dspark=dspark).generate(requests, SamplingParams(max_new_tokens=16))
     assert outputs == [alone(model, p, 16, do_sample=False) for p in requests]
-
+    bf16 = cast_keeping_fp32_modules(build_with_drafter(seed=3), torch.bfloat16).cuda()
+    graphs = engine_for(bf16, max_num_seqs=4, dspark=dspark)
+    replayed = graphs.generate(requests, SamplingParams(max_new_tokens=16))
+    assert graphs.graphs and all(graph is not None for graph, _, _ in graphs.graphs.values())
+    eager = engine_for(bf16, max_num_seqs=4, dspark=dspark, use_cuda_graphs=False)
+    assert replayed == eager.generate(requests, SamplingParams(max_new_tokens=16))
 
 class BanLowTokens:
     """A request's own logits processor (as the server's grammars are): tokens below 250 never come."""

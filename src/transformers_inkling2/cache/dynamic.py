@@ -145,13 +145,13 @@ class Inkling2Cache(RollbackWithinMargin, Cache):
 
     def attention_keys(self, layer_idx, keys, values, query_positions, attention_mask):
         """Appends the step's keys/values; returns what the step attends to: (keys, values, key positions,
-        key padding or None, whether key positions ascend contiguously — always here). `attention_mask` is the
-        2-D padding mask over the cached and the new tokens."""
+        key padding or None, whether key positions ascend contiguously — always here, a block table of paged keys —
+        never here). `attention_mask` is the 2-D padding mask over the cached and the new tokens."""
         first_key_position = self.layers[layer_idx].first_key_position
         keys, values = self.update(keys, values, layer_idx)
         key_positions = torch.arange(keys.shape[2], device=keys.device) + first_key_position
         key_padding = None if attention_mask is None else attention_mask[:, key_positions]
-        return keys, values, key_positions, key_padding, True
+        return keys, values, key_positions, key_padding, True, None
 
 
 __all__ = ["Inkling2Cache"]

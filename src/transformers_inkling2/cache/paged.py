@@ -215,7 +215,8 @@ class Inkling2PagedCache:
 
     def attention_keys(self, layer_idx, keys, values, query_positions, attention_mask):
         """Writes the step's keys/values ([rows, kv_heads, tokens, dim]); returns what the queries attend to: (keys,
-        values, key positions, key padding, whether the key positions ascend contiguously and are shared)."""
+        values, key positions, key padding, whether the key positions ascend contiguously and are shared, and for a
+        decode step's full layers the rows' block table: the keys and values are then the page pools)."""
         if attention_mask is not None:
             raise ValueError("Inkling2PagedCache rows hold no padding: pass `attention_mask=None`.")
         step = self.step
@@ -231,13 +232,13 @@ class Inkling2PagedCache:
         pools = (self.keys[layer_idx], self.values[layer_idx])
         for pool, new in zip(pools, (keys, values)):
             pool[step.pages, :, step.offsets] = new.transpose(1, 2)
-        pages = self.block_table[self.rows, : self.key_span // self.page_size].long()
-        gathered = [
-            pool[pages].permute(0, 2, 1, 3, 4).reshape(pages.shape[0], pool.shape[1], self.key_span, pool.shape[3])
-            for pool in pools
-        ]
+        block_table = self.block_table[self.rows, : self.key_span // self.page_size]
         key_positions = torch.arange(self.key_span, device=keys.device)
-        return gathered[0], gathered[1], key_positions, None, step.prompt
+        if not step.prompt:  # the decode path reads the pages where they are
+            return *pools, key_positions, None, False, block_table
+        # a prompt chunk takes the usual contiguous path: its row's pages gathered in order
+        keys, values = (gather_pages(pool, block_table) for pool in pools)
+        return keys, values, key_positions, None, True, None
 
     def _sliding_layer_keys(self, layer_idx, keys, values, step: RowStep):
         capacity = self.sliding_capacity
@@ -258,6 +259,7 @@ class Inkling2PagedCache:
                 torch.cat([held, step.positions[0]]),
                 torch.cat([is_held[None], is_held.new_ones(1, keys.shape[2])], dim=1),
                 True,
+                None,
             )
         rows = torch.arange(slots.shape[0], device=keys.device)[:, None]
         kept = slots.shape[1]
@@ -266,7 +268,7 @@ class Inkling2PagedCache:
         slot_positions.scatter_(1, slots, step.positions[:, -kept:])
         if step.prompt:
             return attend
-        return ring_keys, ring_values, slot_positions, None, False
+        return ring_keys, ring_values, slot_positions, None, False, None
 
     def convolution_context(self, layer_idx, conv_idx, new_inputs, kernel_size, query_positions):
         """[rows, C, tokens] inputs preceded by the row's `kernel_size - 1` earlier inputs (zeros before its start);
@@ -286,8 +288,15 @@ class Inkling2PagedCache:
         return context
 
 
+def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[rows, kv_heads, pages * page_size, dim]: every row's pages from a [pages, kv_heads, page_size, dim] pool."""
+    rows, pages = block_table.shape
+    gathered = pool[block_table.long()]  # [rows, pages, kv_heads, page_size, dim]
+    return gathered.permute(0, 2, 1, 3, 4).reshape(rows, pool.shape[1], pages * pool.shape[2], pool.shape[3])
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     return math.ceil(tokens / page_size)
 
 
-__all__ = ["Inkling2PagedCache", "full_layer_bytes_per_token", "pages_for", "row_state_bytes"]
+__all__ = ["Inkling2PagedCache", "full_layer_bytes_per_token", "gather_pages", "pages_for", "row_state_bytes"]

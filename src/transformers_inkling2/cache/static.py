@@ -117,9 +117,9 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
 
     def attention_keys(self, keys, values, query_positions, token_mask, attend_length, slots=None):
         """Writes the step's keys/values; returns what it attends to: (keys, values, key positions, key padding,
-        whether the key positions ascend contiguously). With `attend_length` (a captured step, at most `max_queries`
-        tokens) the full layers attend over that many slots and the host-side length is left to the runner: nothing
-        here then reads it, so the traced step does not depend on it. `slots`: the step's slots in this layer's
+        whether the key positions ascend contiguously, None: no paged keys). With `attend_length` (a captured step,
+        at most `max_queries` tokens) the full layers attend over that many slots and the host-side length is left to
+        the runner: nothing here then reads it, so the traced step does not depend on it. `slots`: the step's slots in this layer's
         ring, when already computed (`StepSlots`)."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
@@ -140,10 +140,11 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
                 self.all_positions[:length],
                 self.key_valid[:, :length],
                 True,
+                None,
             )
         if new_tokens <= self.max_queries:  # write, then attend over the whole ring
             self.write(query_positions, keys, values, valid, slots)
-            return self.keys, self.values, self.slot_positions, self.key_valid, False
+            return self.keys, self.values, self.slot_positions, self.key_valid, False, None
         # a long chunk (prefill): the keys the window still reaches in position order, then the new ones
         held = min(past, self.history)
         positions = torch.arange(past - held, past, device=keys.device)
@@ -156,6 +157,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
             torch.cat([positions, query_positions]),
             torch.cat([held_valid, new_valid], dim=1),
             True,
+            None,
         )
         self.write(query_positions, keys, values, valid, slots)
         return attend

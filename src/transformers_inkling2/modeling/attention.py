@@ -94,6 +94,9 @@ ATTENTION_BACKENDS.register("eager", eager_attention)
 # registered with `keys_in_any_order=False` (it needs `key_positions = k0 + arange(K)`) runs `ANY_ORDER_FALLBACK`
 # for them instead.
 ANY_ORDER_FALLBACK = "inkling2_decode"
+# Keys held in pages (`Inkling2PagedCache`, the serving engine's decode steps) reach this backend, with a `block_table`
+# and a `page_size`: it reads them where they are (on CUDA, in the kernel) instead of a gathered copy of every row's.
+PAGED_KEYS_BACKEND = "inkling2_decode"
 
 
 def default_attention_backend() -> str:

@@ -36,7 +36,7 @@ from ..cache.paged import Inkling2PagedCache
 from ..cache.static import Inkling2StaticCache
 from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
 from .activation_memory import CHUNK_GRANULE, automatic_prefill_chunk
-from .attention import default_attention_backend, eager_attention, get_attention_backend
+from .attention import PAGED_KEYS_BACKEND, default_attention_backend, eager_attention, get_attention_backend
 from .experts import Inkling2Experts, softcap
 from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
 from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
@@ -248,13 +248,19 @@ class Inkling2Attention(nn.Module):
         values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
         values = values.to(dtype).transpose(1, 2)
 
-        key_positions, key_padding, in_order = query_positions, attention_mask, True
+        key_positions, key_padding, in_order, block_table = query_positions, attention_mask, True, None
         if cache is not None:
-            keys, values, key_positions, key_padding, in_order = cache.attention_keys(
+            keys, values, key_positions, key_padding, in_order, block_table = cache.attention_keys(
                 self.layer_idx, keys, values, query_positions, attention_mask
             )
         probabilities = [] if output_attentions else None
-        if probabilities is None:
+        if block_table is not None:  # paged keys (the serving engine's decode steps): the decode path reads pages
+            if output_attentions:
+                raise ValueError("`output_attentions` is not available over paged keys (`Inkling2PagedCache`).")
+            attention = functools.partial(
+                get_attention_backend(PAGED_KEYS_BACKEND), block_table=block_table, page_size=keys.shape[2]
+            )
+        elif probabilities is None:
             attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
         else:
             attention = functools.partial(eager_attention, probabilities_out=probabilities)

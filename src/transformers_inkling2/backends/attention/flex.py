@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ...cache.common import MAX_STEP_TOKENS
+from ...cache.paged import gather_pages
 from ...modeling.attention import eager_attention
 from ...modeling.tensors import differentiable
 
@@ -363,19 +364,25 @@ def inkling2_decode_attention(
     key_padding: torch.Tensor | None,
     sliding_window: int | None,
     scaling: float,
+    block_table: torch.Tensor | None = None,
+    page_size: int = 0,
 ) -> torch.Tensor:
     """Same contract as `eager_attention`, for a few queries (decode, speculative verification). On CUDA, without
     gradients, one fused Triton kernel (`decode_kernel`); otherwise, and as its reference, this PyTorch
     path, which materializes the [B, H, Q, K] scores in fp32 (small for Q <= 8); everything else is O(Q * extent) or
-    O(K)."""
+    O(K). With a `block_table` ([B, pages]), `key` / `value` are page pools [pages, kv heads, page_size, D] and row
+    b's key j sits in page `block_table[b, j // page_size]` (`Inkling2PagedCache`): the kernel reads them there,
+    this path gathers them first."""
     if query.is_cuda and not differentiable(query, key, value):
         from . import decode_kernel  # Triton, imported where a kernel runs
 
         if decode_kernel.supports(query, key):
             return decode_kernel.decode_attention(
                 query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding,
-                sliding_window, scaling,
+                sliding_window, scaling, block_table, page_size,
             )  # fmt: skip
+    if block_table is not None:
+        key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     batch, heads, query_length, head_dim = query.shape
     kv_heads, key_length = key.shape[1], key.shape[2]
     groups, extent = heads // kv_heads, relative_logits.shape[-1]

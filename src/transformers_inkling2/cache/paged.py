@@ -64,6 +64,28 @@ def row_state_bytes(config: Inkling2TextConfig, dtype_bytes: int = 2, tp: int = 
     return total
 
 
+def check_page_size(page_size: int) -> None:
+    """Pages hold whole key blocks of the decode kernel (64 keys) and split a sequence at powers of two."""
+    if not isinstance(page_size, int) or page_size < 64 or page_size & (page_size - 1):
+        raise ValueError(f"`page_size` must be a power of two of at least 64, got {page_size}.")
+
+
+def pages_that_fit(
+    memory_bytes: float,
+    config: Inkling2TextConfig,
+    page_size: int,
+    max_rows: int,
+    dtype_bytes: int = 2,
+    tp: int = 1,
+    dspark_config=None,
+) -> int:
+    """Pages of `page_size` tokens that `memory_bytes` hold once `max_rows` rows' fixed state is set aside (what the
+    engine sizes its pool with, and `inkling2 plan` reports)."""
+    check_page_size(page_size)
+    fixed = max_rows * row_state_bytes(config, dtype_bytes, tp, dspark_config)
+    return int((memory_bytes - fixed) // (page_size * full_layer_bytes_per_token(config, dtype_bytes, tp)))
+
+
 class RowStep:
     """The index arithmetic of one forward over a block of rows, done once for every layer (`begin_step`).
     `positions` [rows, tokens]; `prompt` says whether they came 1-D (one row's prompt chunk: its attention takes the
@@ -111,6 +133,7 @@ class Inkling2PagedCache:
         device: torch.device | str = "cpu",
     ):
         config = config.get_text_config(decoder=True)
+        check_page_size(page_size)
         if num_pages < 2:
             raise ValueError(f"A paged cache needs at least 2 pages (page 0 is reserved), got {num_pages}.")
         self.config, self.max_rows, self.num_pages, self.page_size = config, max_rows, num_pages, page_size
@@ -299,4 +322,12 @@ def pages_for(tokens: int, page_size: int) -> int:
     return math.ceil(tokens / page_size)
 
 
-__all__ = ["Inkling2PagedCache", "full_layer_bytes_per_token", "gather_pages", "pages_for", "row_state_bytes"]
+__all__ = [
+    "Inkling2PagedCache",
+    "check_page_size",
+    "full_layer_bytes_per_token",
+    "gather_pages",
+    "pages_for",
+    "pages_that_fit",
+    "row_state_bytes",
+]

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from transformers.utils import logging
 
-from ..cache.paged import Inkling2PagedCache, full_layer_bytes_per_token, row_state_bytes
+from ..cache.paged import Inkling2PagedCache, check_page_size, pages_that_fit
+from ..modeling.activation_memory import prefill_activation_bytes
 from ..generation.decode_graphs import capture_graph
 from .requests import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams, Sequence
 from .sampling import next_tokens
@@ -36,7 +37,7 @@ from .scheduler import Scheduler
 logger = logging.get_logger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 32_768
-ACTIVATION_RESERVE = 0.1  # of the free memory, left for activations and graphs when pages are sized automatically
+RESERVE_SHARE = 0.05  # of the free memory, left for CUDA graphs and the allocator when pages are sized automatically
 
 
 def power_of_two_at_least(value: int, minimum: int, maximum: int) -> int:
@@ -50,8 +51,8 @@ class Inkling2Engine:
         max_num_seqs: sequences in flight at once (rows of the cache).
         max_model_len: tokens one sequence may reach (prompt and output).
         page_size: tokens per page of the full-attention keys/values (a power of two, at least 64).
-        num_pages: pages in the pool; None sizes it from the free GPU memory (all but `ACTIVATION_RESERVE` of what
-            is free after the rows' fixed state), or on CPU from `max_num_seqs * max_model_len`.
+        num_pages: pages in the pool; None sizes it from the free GPU memory (what is left after the rows' fixed
+            state, one step's activations and `RESERVE_SHARE`), or on CPU from `max_num_seqs * max_model_len`.
         max_step_tokens: tokens one step runs: the decode rows' plus prompt chunks up to this budget.
         use_cuda_graphs: replay decode steps as CUDA graphs (default: on CUDA).
         dspark: decode with the bundled DSpark drafter.
@@ -68,8 +69,7 @@ class Inkling2Engine:
         use_cuda_graphs: bool | None = None,
         dspark: bool = False,
     ):
-        if page_size < 64 or page_size & (page_size - 1):
-            raise ValueError(f"`page_size` must be a power of two of at least 64, got {page_size}.")
+        check_page_size(page_size)
         if max_num_seqs < 1 or max_step_tokens < 1:
             raise ValueError("`max_num_seqs` and `max_step_tokens` must be positive.")
         self.model = model.eval()
@@ -85,7 +85,7 @@ class Inkling2Engine:
         step_tokens = 1 if self.drafter is None else self.drafter.block_size + 1
         pages_per_row = math.ceil((max_model_len + step_tokens) / page_size)
         if num_pages is None:
-            num_pages = self.automatic_num_pages(max_num_seqs, page_size, pages_per_row)
+            num_pages = self.automatic_num_pages(max_num_seqs, page_size, pages_per_row, max_step_tokens)
         self.cache = Inkling2PagedCache(
             self.text_config, max_num_seqs, num_pages, page_size, pages_per_row, device=self.device
         )
@@ -99,21 +99,21 @@ class Inkling2Engine:
         self.sequences: dict[str, Sequence] = {}
         self.cancelled: set[str] = set()
 
-    def automatic_num_pages(self, max_num_seqs: int, page_size: int, pages_per_row: int) -> int:
+    def automatic_num_pages(self, max_num_seqs: int, page_size: int, pages_per_row: int, max_step_tokens: int) -> int:
         full = max_num_seqs * pages_per_row + 1
         if self.device.type != "cuda":
             return full
-        dtype_bytes = self.dtype.itemsize
-        dspark_config = None if self.drafter is None else self.drafter.config
-        fixed = max_num_seqs * row_state_bytes(self.text_config, dtype_bytes, dspark_config=dspark_config)
         free, _ = torch.cuda.mem_get_info(self.device)
-        usable = free * (1 - ACTIVATION_RESERVE) - fixed
-        per_page = full_layer_bytes_per_token(self.text_config, dtype_bytes) * page_size
-        pages = int(usable // max(per_page, 1))
+        # one step's activations, and room for CUDA graphs and the allocator
+        reserve = prefill_activation_bytes(self.text_config, max_step_tokens) + RESERVE_SHARE * free
+        dspark_config = None if self.drafter is None else self.drafter.config
+        pages = pages_that_fit(
+            free - reserve, self.text_config, page_size, max_num_seqs, self.dtype.itemsize, dspark_config=dspark_config
+        )
         if pages < 2:
             raise ValueError(
-                f"No GPU memory is left for the cache: {free / 2**30:.1f} GiB free, {fixed / 2**30:.1f} GiB needed by "
-                f"{max_num_seqs} rows' fixed state. Lower `max_num_seqs`, or free memory."
+                f"No GPU memory is left for the cache's pages: {free / 2**30:.1f} GiB free. Lower `max_num_seqs` "
+                "or `max_step_tokens`, or free memory (`inkling2 plan` shows where it goes)."
             )
         return min(pages, full)
 

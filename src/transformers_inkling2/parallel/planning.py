@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.common import MAX_STEP_TOKENS
-from ..cache.paged import full_layer_bytes_per_token, row_state_bytes
+from ..cache.paged import check_page_size, full_layer_bytes_per_token, pages_that_fit, row_state_bytes
 from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2TextConfig
 from ..modeling.activation_memory import prefill_activation_bytes
 
@@ -208,16 +208,17 @@ def serving_pages(
     ep = checked_sizes(text, variant, tp, ep, **sizes)
     if not isinstance(gpu_gib, (int, float)) or not 0 < gpu_gib < math.inf:
         raise ValueError(f"`gpu_gib` must be a positive, finite number of GiB, got {gpu_gib}.")
-    if page_size < 64 or page_size & (page_size - 1):
-        raise ValueError(f"`page_size` must be a power of two of at least 64, got {page_size}.")
+    check_page_size(page_size)
     dspark_config = getattr(config, "dspark_config", None)
     if dspark and dspark_config is None:
         raise ValueError("`dspark` needs a config with a DSpark drafter (`dspark_config`); this one has none.")
     weights = weight_bytes(config, variant, tp, ep)
     activations = prefill_activation_bytes(text, max_step_tokens, tp)
-    row_state = max_num_seqs * row_state_bytes(text, tp=tp, dspark_config=dspark_config if dspark else None)
+    drafter = dspark_config if dspark else None
+    row_state = max_num_seqs * row_state_bytes(text, tp=tp, dspark_config=drafter)
     page_bytes = page_size * full_layer_bytes_per_token(text, tp=tp)
-    pages = int((gpu_gib * GIB - weights - activations - row_state) // page_bytes)
+    memory = gpu_gib * GIB - weights - activations
+    pages = pages_that_fit(memory, text, page_size, max_num_seqs, tp=tp, dspark_config=drafter)
     if pages < 2:
         raise NoRoomForPages(
             f"{gpu_gib:g} GiB per GPU leave no room for the serving engine's pages ({page_bytes / 2**20:,.1f} MiB "

@@ -8,7 +8,7 @@ but only after importing the package.)
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
-    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--static-cache N] [--compile]   a server
+    inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--max-num-seqs 64]   a server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
 """
 
@@ -53,14 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     serve.add_argument("--dspark", action="store_true", help="decode with the bundled DSpark drafter")
-    serve.add_argument(
-        "--static-cache",
-        type=int,
-        metavar="TOKENS",
-        help="decode over one Inkling2StaticCache of this many tokens, reused by every request up to that length "
-        "(CUDA graphs on a GPU, captured once)",
-    )
-    serve.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     add_server_limits(serve)
     quantize = commands.add_parser("quantize", help="turn a BF16 checkpoint into the NVFP4 + MXFP8 expert layout")
     quantize.add_argument("source", help="BF16 checkpoint folder (original layout, as save_pretrained writes it)")
@@ -128,6 +120,15 @@ def add_server_limits(serve: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-waiting", type=int, help="requests queued; beyond: 503 with Retry-After")
     limits.add_argument("--max-connections", type=int, help="open connections; beyond: 503")
     limits.add_argument("--keep-alive-timeout", type=float, help="seconds an idle connection stays open")
+    engine = serve.add_argument_group("the engine (continuous batching; docs/serving.md)")
+    engine.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 64)")
+    engine.add_argument(
+        "--page-size", type=int, help="tokens per page of the key/value cache (a power of two >= 64; default 256)"
+    )
+    engine.add_argument("--num-pages", type=int, help="pages in the cache (default: sized from the free memory)")
+    engine.add_argument(
+        "--max-step-tokens", type=int, help="tokens one step runs: decoding rows plus prompt chunks (default 2048)"
+    )
     media = serve.add_argument_group("image URLs")
     media.add_argument("--max-media-bytes", type=int)
     media.add_argument("--media-timeout", type=float, help="seconds for one image, redirects included")

@@ -49,9 +49,36 @@ def test_compile_applies_without_naming_the_static_cache():
 
     from transformers_inkling2.cli import compile_config
 
-    for command in (["generate", "--compile"], ["serve", "--compile"]):
-        assert isinstance(compile_config(build_parser().parse_args(command)), CompileConfig)
+    assert isinstance(compile_config(build_parser().parse_args(["generate", "--compile"])), CompileConfig)
     assert compile_config(build_parser().parse_args(["generate"])) is None
+
+
+def test_serve_engine_flags_fill_the_server_settings():
+    from transformers_inkling2.cli import server_settings
+
+    def engine_fields(*flags):
+        settings = server_settings(build_parser().parse_args(["serve", *flags]), "m", None)
+        return (settings.max_num_seqs, settings.page_size, settings.num_pages, settings.max_step_tokens,
+                settings.max_model_len, settings.dspark)  # fmt: skip
+
+    assert engine_fields() == (64, 256, None, 2048, None, False)
+    flags = ["--max-num-seqs", "8", "--page-size", "128", "--num-pages", "100", "--max-step-tokens", "512",
+             "--max-model-len", "2048", "--dspark"]  # fmt: skip
+    assert engine_fields(*flags) == (8, 128, 100, 512, 2048, True)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+     (["--max-step-tokens", "-5"], "max_step_tokens must be a positive integer, got -5"),
+     (["--page-size", "100"], "page_size must be a power of two of at least 64, got 100"),
+     (["--page-size", "32"], "page_size must be a power of two of at least 64, got 32"),
+     (["--num-pages", "1"], r"num_pages must be an integer >= 2 \(page 0 is reserved\)")],
+)  # fmt: skip
+def test_bad_engine_flags_are_refused_before_the_model_loads(flags, message, capsys):
+    with pytest.raises(SystemExit, match=f"inkling2 serve: {message}"):
+        main(["serve", *flags])
+    assert "[model]" not in capsys.readouterr().out
 
 
 def test_main_job_on_a_text_only_checkpoint_uses_the_text_generation_pipeline(tmp_path, capsys):

@@ -70,7 +70,7 @@ SKIP = {
     ("docs/serving.md", 'pip install "transformers-inkling2[serve]"'): "installs packages",
     ("docs/serving.md", "inkling2 serve --model /path/to/Inkling-2-Small"): "serves until stopped (blocks)",
     ("docs/serving.md", "inkling2 serve                "): "serves until stopped (blocks)",
-    ("docs/serving.md", "inkling2 serve --model PATH --static-cache 32768 #"): "serves until stopped (blocks)",
+    ("docs/serving.md", "inkling2 serve --model PATH --max-num-seqs 128"): "serves until stopped (blocks)",
     ("docs/serving.md", "inkling2 serve --model PATH --dspark"): "serves until stopped (blocks)",
     ("docs/serving.md", "client = OpenAI("): "a client of a running `inkling2 serve`; `tools=[...]` is a placeholder",
     ("docs/serving.md", "python -m pytest -q tests/serving"): "runs test files (CI runs them)",

@@ -155,6 +155,11 @@ def server_settings(args: argparse.Namespace, model_id: str, effort):
         max_waiting=args.max_waiting,
         max_connections=args.max_connections,
         keep_alive_timeout_s=args.keep_alive_timeout,
+        max_num_seqs=args.max_num_seqs,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_step_tokens=args.max_step_tokens,
+        dspark=args.dspark,
     ))  # fmt: skip
 
 
@@ -172,20 +177,13 @@ def run_serve(args: argparse.Namespace) -> None:
         settings = server_settings(args, model_id, effort)
     except ValueError as error:
         raise SystemExit(f"inkling2 serve: {error}") from None
-    compile_steps = compile_config(args)
     device = resolve_device(args.device)
     model, processor, tokenizer = load(args.model, device, resolve_dtype(args.dtype, device))
     if processor is None:
         print("[serve] the checkpoint has no image processor: serving text only", flush=True)
-    if args.dspark:  # every generate() call of the server reads it from the generation config
-        model.generation_config.dspark = True
-    if args.static_cache:  # one size for every request, so that its buffers and graphs are reused
-        model.generation_config.cache_implementation = "static"
-        model.generation_config.max_cache_len = args.static_cache
-    model.generation_config.compile_config = compile_steps
     try:
         serve(model, tokenizer, processor, settings)
-    except ValueError as error:  # settings the model contradicts (--max-model-len above its positions, --effort)
+    except ValueError as error:  # what the model contradicts: --max-model-len (its positions, its cache), --effort
         raise SystemExit(f"inkling2 serve: {error}") from None
 
 

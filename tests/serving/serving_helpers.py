@@ -1,4 +1,4 @@
-"""Helpers shared by the serving tests (test_abuse.py, test_soak.py): a scripted backend, a server started in-process
+"""Helpers shared by the serving tests (test_abuse.py, test_soak.py): scripted runners, a server started in-process
 on a free loopback port and stopped with its threads checked, the `openai` client with bounds, raw HTTP over
 `http.client` and raw sockets, the OpenAI error body, `/metrics` as numbers, and "is it still serving?".
 
@@ -36,12 +36,58 @@ SLOW_REPLY = [TEXT] + ["tick "] * 2000  # with a delay per chunk: runs until can
 TIMEOUT = 15  # seconds: every client call and socket is bounded by this or less
 
 
-class Script:
-    """A backend that replays scripted text, one chunk per "decode step" (`delay` seconds each), and records its
-    jobs. `gate` (an Event), when set up, holds every job before its first chunk until it is set (or the job is
-    cancelled). `started` is set when a job starts; `closed` when one ends; `ended_at` is when the last one ended."""
+ENDED = object()  # what `next` gives a reply that has no chunk left
+
+
+class ScriptedRunner:
+    """The worker's `Runner` over scripted replies: `reply(job)` is a generator of `(text, tokens)` chunks (or None:
+    nothing this step), one per step for each job in flight, `capacity` jobs at once (1: one after another). A chunk
+    that raises fails the step, as a failing engine step does."""
+
+    capacity = 1
+    num_waiting = 0
+    free_pages = 0
+
+    def __init__(self):
+        self._replies: dict = {}
+        self._cancelled: set = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._replies)
+
+    def reply(self, job):
+        raise NotImplementedError
+
+    def add(self, job) -> None:
+        self._replies[job] = self.reply(job)
+
+    def cancel(self, job) -> None:
+        if job in self._replies:
+            self._cancelled.add(job)
+
+    def step(self) -> list:
+        ended = list(self._cancelled)
+        self._cancelled.clear()
+        for job in ended:
+            self._replies.pop(job).close()
+        for job, reply in list(self._replies.items()):
+            chunk = next(reply, ENDED)
+            if chunk is ENDED:
+                del self._replies[job]
+                ended.append(job)
+            elif chunk is not None:
+                job.emit(*chunk)
+        return ended
+
+
+class Script(ScriptedRunner):
+    """Replays scripted text, one chunk per step (`delay` seconds each), and records its jobs. `gate` (an Event),
+    when set up, holds every job before its first chunk until it is set (or the job is cancelled). `started` is set
+    when a job starts; `closed` when one ends; `ended_at` is when the last one ended."""
 
     def __init__(self, tok):
+        super().__init__()
         self.tok = tok
         self._counts: dict[str, int] = {}
         self.reset()
@@ -51,7 +97,6 @@ class Script:
         self.jobs: list = []
         self.started, self.closed = threading.Event(), threading.Event()
         self.ended_at: float | None = None
-        self.emitted_after_cancel = 0
         return self
 
     def count(self, chunk: str) -> int:
@@ -59,28 +104,26 @@ class Script:
             self._counts[chunk] = len(self.tok(chunk, add_special_tokens=False)["input_ids"])
         return self._counts[chunk]
 
-    def __call__(self, job):
+    def reply(self, job):
         self.jobs.append(job)
+        return self._chunks()
+
+    def _chunks(self):
         self.started.set()
         try:
-            gate = self.gate
-            if gate is not None:
-                while not gate.wait(0.01):
-                    if job.cancelled.is_set():
-                        return
+            while self.gate is not None and not self.gate.wait(0.01):
+                yield None
             for chunk in self.chunks:
-                if job.cancelled.is_set():
-                    return
                 time.sleep(self.delay)
-                job.emit(chunk, self.count(chunk))
+                yield chunk, self.count(chunk)
         finally:
             self.ended_at = time.monotonic()
             self.closed.set()
 
 
-def start_server(tok, backend, processor=None, **settings) -> Inkling2Server:
+def start_server(tok, runner, processor=None, **settings) -> Inkling2Server:
     settings = ServerSettings(**{"model_id": MODEL_ID, "port": 0, "max_model_len": 4096, **settings})
-    return Inkling2Server(build_app(tok, backend, settings, processor)).start()
+    return Inkling2Server(build_app(tok, runner, settings, processor)).start()
 
 
 def leftover_threads(before: set, grace_s: float = 3.0) -> list:
@@ -94,12 +137,12 @@ def leftover_threads(before: set, grace_s: float = 3.0) -> list:
 
 
 @contextlib.contextmanager
-def serving(tok, backend, processor=None, check_threads: bool = True, **settings):
+def serving(tok, runner, processor=None, check_threads: bool = True, **settings):
     """A started server; stopped at the end, then no thread started meanwhile may be left running. Where other
     servers run meanwhile (a module-scoped one beside others), pass `check_threads=False` and check once at the end
     of the module: their worker threads cannot be told apart."""
     before = set(threading.enumerate())
-    server = start_server(tok, backend, processor, **settings)
+    server = start_server(tok, runner, processor, **settings)
     try:
         yield server
     finally:

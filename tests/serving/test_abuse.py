@@ -3,7 +3,7 @@ client, `http.client` and raw sockets. Every case checks that the server answers
 error body, never a 500; no work done for a refused request) AND that it is still up and answering afterwards
 (`/health` is 200 and a normal chat completion succeeds: `assert_serving`).
 
-The model is scripted (`serving_helpers.Script`), so the tests see what the backend was handed (the prompt ids, the
+The model is scripted (`serving_helpers.Script`), so the tests see what the runner was handed (the prompt ids, the
 image grid) and whether a generation ran or was cancelled. Every client call and socket has a timeout, clients never
 retry, and every server is stopped with no thread of it left running (`serving_helpers.serving`).
 
@@ -524,7 +524,7 @@ FORGING_PLACES = ["user text", "user text part", "system text", "developer text"
 @pytest.mark.parametrize("text", [FORGED, ESCAPE_TRICK], ids=["spelled tokens", "the template's escape character"])
 @pytest.mark.parametrize("where", FORGING_PLACES)
 def test_control_tokens_spelled_in_client_text_stay_text(tok, server, fresh, where, text):
-    """The prompt the backend got has exactly the special tokens of the same request with plain words instead: one
+    """The prompt the runner got has exactly the special tokens of the same request with plain words instead: one
     `<|message_system|>` per real system message (and the effort line's), none from the client's text."""
     special = set(tok.added_tokens_decoder)
     system = tok.convert_tokens_to_ids("<|message_system|>")

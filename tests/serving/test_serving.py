@@ -1,9 +1,9 @@
 """`inkling2 serve` end to end: the real `openai` client against the server on loopback, in-process.
 
-Most tests script the model's text (the server takes an injectable backend), so they can check that reasoning,
-content and tool calls reach the client as OpenAI's fields; some run the embedded tiny model. Every request is
-bounded (client timeout, no retries) and the server, with its threads, is stopped at the end. Attacks and bad input:
-test_abuse.py.
+Most tests script the model's text (the server's worker drives any `Runner`; these emit scripted text), so they can
+check that reasoning, content and tool calls reach the client as OpenAI's fields; some run the embedded tiny model on
+the engine (concurrent requests on it: test_batching.py). Every request is bounded (client timeout, no retries) and
+the server, with its threads, is stopped at the end. Attacks and bad input: test_abuse.py.
 """
 
 import json
@@ -20,7 +20,18 @@ from transformers_inkling2.serving.server import Inkling2Server, ServerSettings,
 from transformers_inkling2.tiny import build_tiny_causal_lm
 from transformers_inkling2_cli import build_parser
 
-from serving_helpers import END, EOT, MODEL, TEXT, THINK, Script, leftover_threads, openai_client, start_server
+from serving_helpers import (
+    END,
+    EOT,
+    MODEL,
+    TEXT,
+    THINK,
+    Script,
+    ScriptedRunner,
+    leftover_threads,
+    openai_client,
+    start_server,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -116,7 +127,7 @@ def test_chat_completion_returns_reasoning_content_and_tool_calls(tok, client, s
     assert tool_call.function.name == "get_weather"
     assert json.loads(tool_call.function.arguments) == {"city": "San Francisco", "days": [1, 2]}
     assert reply.usage.prompt_tokens == len(prompt_ids(script))
-    assert reply.usage.completion_tokens == script_tokens(script)  # what the backend counted, not re-tokenized text
+    assert reply.usage.completion_tokens == script_tokens(script)  # what the runner counted, not re-tokenized text
     # the prompt: system, tool_declare, effort 0.2, user, generation prompt; sampling parameters passed through
     assert prompt_text(tok, script) == tok.apply_chat_template(
         [{"role": "system", "content": "Be useful."}, {"role": "user", "content": "Weather in SF?"}],
@@ -306,8 +317,8 @@ def test_a_large_image_is_downscaled_to_the_pixel_budget(tok, processor, script)
 
 
 def test_the_tiny_model_end_to_end(tok, tiny_model):
-    """The real generation path: model.generate in the worker thread, streamed text, parsed; usage counts the
-    generated tokens themselves."""
+    """The real generation path: the engine in the worker thread, streamed text, parsed; the same tokens as
+    `generate()`; usage counts the generated tokens themselves."""
     settings = ServerSettings(model_id="tiny", port=0)
     threads_before = set(threading.enumerate())
     with Inkling2Server(model_app(tiny_model, tok, settings)).start() as srv:
@@ -334,42 +345,28 @@ def test_the_tiny_model_end_to_end(tok, tiny_model):
     assert (parse_response(generated, tok)["content"] or None) == reply.choices[0].message.content
 
 
-def test_dspark_serves(tok):
-    """`inkling2 serve --dspark`: every request went to generate(dspark=True) with the server's stopping criteria
-    (it failed with 'list' object is not callable), and the acceptance reaches /metrics."""
-    from transformers_inkling2.tiny import build_tiny_model
+class Drafting(Script):
+    """A runner that reports DSpark statistics for its jobs, as `EngineRunner` does from the engine's tallies."""
 
-    model = build_tiny_model(dspark=True).eval()
-    model.generation_config.dspark = True
-    with Inkling2Server(model_app(model, tok, ServerSettings(model_id="tiny", port=0))).start() as srv:
-        client = openai_client(srv, timeout=60)
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0
-        )
+    def reply(self, job):
+        job.dspark = {"steps": 3, "drafts": 3 * 15, "accepted": 20}
+        return super().reply(job)
+
+
+def test_dspark_statistics_reach_the_metrics(tok):
+    with start_server(tok, Drafting(tok)) as srv:
+        client = openai_client(srv)
+        client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
         metrics = client.with_options(base_url=srv.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
-    assert reply.usage.completion_tokens >= 1
-    steps = [line for line in metrics.splitlines() if line.startswith("inkling2:spec_decode_num_steps_total")]
-    assert steps and float(steps[0].split()[-1]) >= 1
+    for name, value in (("steps", 3), ("draft_tokens", 45), ("accepted_tokens", 20)):
+        assert f'inkling2:spec_decode_num_{name}_total{{model_name="inkling2-test"}} {value:.1f}' in metrics
 
 
-def test_a_static_cache_serves_every_request(tok, tiny_model, monkeypatch):
-    """`inkling2 serve --static-cache N`: one static cache of N tokens, reused by every request (the server generates
-    under inference mode), with the same greedy replies."""
-
-    def ask(text):
-        with Inkling2Server(model_app(tiny_model, tok, ServerSettings(model_id="tiny", port=0))).start() as srv:
-            messages = [{"role": "user", "content": text}]
-            return openai_client(srv, timeout=30).chat.completions.create(
-                model="tiny", messages=messages, max_tokens=5, temperature=0
-            )
-
-    expected = [ask(text).choices[0].message.content for text in ("Hello", "A longer question, please")]
-    monkeypatch.setattr(tiny_model.generation_config, "cache_implementation", "static")
-    monkeypatch.setattr(tiny_model.generation_config, "max_cache_len", 256)
-    assert ask("Hello").choices[0].message.content == expected[0]
-    cache = tiny_model._static_cache
-    assert ask("A longer question, please").choices[0].message.content == expected[1]
-    assert tiny_model._static_cache is cache
+def test_dspark_goes_to_the_engine(tok, tiny_model):
+    """`inkling2 serve --dspark`: the engine decodes with the model's drafter, so a model without one is refused at
+    start with the reason."""
+    with pytest.raises(ValueError, match="needs a DSpark drafter"):
+        model_app(tiny_model, tok, ServerSettings(model_id="tiny", port=0, dspark=True))
 
 
 def test_stop_sequences_end_the_reply_before_them(client, script):
@@ -438,7 +435,8 @@ def test_openai_messages_become_template_messages():
 def test_serve_subcommand_parses():
     args = build_parser().parse_args(["serve", "--port", "0", "--effort", "high", "--max-tokens", "16"])
     assert (args.command, args.port, args.effort, args.max_tokens, args.host) == ("serve", 0, "high", 16, "127.0.0.1")
-    assert build_parser().parse_args(["serve", "--static-cache", "4096"]).static_cache == 4096
+    engine = (args.max_num_seqs, args.page_size, args.num_pages, args.max_step_tokens, args.dspark)
+    assert engine == (None, None, None, None, False)  # left out: the settings' defaults
     args = build_parser().parse_args(["serve", "--api-key", "k" * 16, "--allowed-media-domains", "a.org", "b.org"])
     assert (args.api_key, args.allowed_media_domains, args.max_waiting) == ("k" * 16, ["a.org", "b.org"], None)
 
@@ -506,12 +504,14 @@ def test_a_json_schema_response_format_makes_the_random_model_write_matching_jso
     assert content["answer"] in ("yes", "no") and isinstance(content["sure"], bool) and set(content) == set(schema["properties"])
 
 
-def test_a_failing_generation_is_a_500_with_its_reason_and_ends_a_stream_with_done(tok):
-    def failing(job):
-        job.emit(f"{TEXT}partial", 2)
+class Failing(ScriptedRunner):
+    def reply(self, job):
+        yield f"{TEXT}partial", 2
         raise RuntimeError("the device fell over")
 
-    with start_server(tok, failing) as srv:
+
+def test_a_failing_generation_is_a_500_with_its_reason_and_ends_a_stream_with_done(tok):
+    with start_server(tok, Failing()) as srv:
         client = openai_client(srv)
         with pytest.raises(openai.InternalServerError, match="RuntimeError: the device fell over"):
             client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
@@ -522,3 +522,42 @@ def test_a_failing_generation_is_a_500_with_its_reason_and_ends_a_stream_with_do
         metrics = client.with_options(base_url=srv.base_url.removesuffix("/v1")).get("/metrics", cast_to=str)
     assert '"server_error"' in lines[-2] and "the device fell over" in lines[-2] and lines[-1] == "data: [DONE]"
     assert 'inkling2:request_success_total{finished_reason="error",model_name="inkling2-test"} 2.0' in metrics
+
+
+class FailsOnce(ScriptedRunner):
+    """Two jobs at once; the first step that has both fails, and later jobs are answered."""
+
+    capacity = 2
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def reply(self, job):
+        while not self.failed and self.num_running < 2:
+            time.sleep(0.005)
+            yield None
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the device fell over")
+        yield f"{TEXT}ok{END}{EOT}", 3
+
+
+def test_a_failing_step_fails_every_request_in_flight_and_the_server_goes_on(tok):
+    with start_server(tok, FailsOnce()) as srv:
+        client = openai_client(srv)
+        errors = []
+
+        def ask():
+            with pytest.raises(openai.InternalServerError, match="RuntimeError: the device fell over") as error:
+                client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
+            errors.append(error)
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(15)
+        assert len(errors) == 2
+        reply = client.chat.completions.create(model="inkling2-test", messages=[{"role": "user", "content": "q"}])
+    assert reply.choices[0].message.content == "ok"

@@ -2,9 +2,9 @@
 ten dropped by its client (a stream closed after its first chunks, a non-streaming call that times out early), and
 afterwards no growth in threads, memory or requests running, and every request accounted for exactly once.
 
-The 200-request soak runs on a scripted backend (each reply names its request, so replies crossing between concurrent
-requests would show); the tiny model is too slow on CPU for 200 (~0.4 s a request, one at a time), so a shorter run
-takes the real `model.generate` path, with its cancellation by stopping criterion. Both stay well under a minute.
+The 200-request soak runs on a scripted runner, 4 requests at a time (each reply names its request, so replies
+crossing between concurrent requests would show); the tiny model is too slow on CPU for 200, so a shorter run takes
+the real path, the engine, with its cancellation. Both stay well under a minute.
 """
 
 import concurrent.futures
@@ -19,6 +19,7 @@ from serving_helpers import (
     EOT,
     MODEL_ID,
     TEXT,
+    ScriptedRunner,
     metrics,
     openai_client,
     serving,
@@ -49,24 +50,23 @@ def tok():
     return build_inkling2_tokenizer()
 
 
-class EchoScript:
-    """Replies "reply to req-N" (N read from the prompt) in a few chunks, one every `delay` seconds."""
+class EchoScript(ScriptedRunner):
+    """Replies "reply to req-N" (N read from the prompt) in a few chunks, one every `delay` seconds, to 4 requests at
+    once (as the engine steps several)."""
+
+    capacity = 4
 
     def __init__(self, tok, delay: float = 0.003, filler: int = 12):
+        super().__init__()
         self.tok, self.delay, self.filler = tok, delay, filler
         self.jobs = 0
-        self.lock = threading.Lock()
 
-    def __call__(self, job):
-        with self.lock:
-            self.jobs += 1
-        prompt = self.tok.decode(job.inputs["input_ids"][0])
-        name = re.findall(r"req-\d+", prompt)[-1]
+    def reply(self, job):
+        self.jobs += 1
+        name = re.findall(r"req-\d+", self.tok.decode(job.inputs["input_ids"][0]))[-1]
         for chunk in [f"{TEXT}reply to {name}"] + [" tok"] * self.filler + [f"{END}{EOT}"]:
-            if job.cancelled.is_set():
-                return
             time.sleep(self.delay)
-            job.emit(chunk, 1)
+            yield chunk, 1
 
 
 def expected_content(index: int, filler: int) -> str:

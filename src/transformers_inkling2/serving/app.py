@@ -4,7 +4,8 @@
 
 A request's path: body (size-capped, depth-checked JSON) -> `protocol.parse_request` -> model name -> `ChatCompletions.
 prepare` in a thread (media, template, bounds) -> the worker's queue (503 + Retry-After when full) -> events -> the
-reply. A client that leaves (streaming or not) cancels its job: the generation stops within one decode step.
+reply. A client that leaves (streaming or not) cancels its job: the generation stops within one decode step. A job
+the engine refuses ends with a `RequestError`, answered as the 4xx it names.
 """
 
 from __future__ import annotations
@@ -244,8 +245,10 @@ class Inkling2App:
                     await collecting
         if collecting.cancelled():
             return Response(status_code=499)  # nobody is there to read it
-        if collecting.exception() is not None:  # the generation failed: a 500 that says how
-            error = collecting.exception()
+        error = collecting.exception()
+        if isinstance(error, RequestError):  # the engine refused the request: the request's fault
+            return error_response(error.status, str(error), error.param, error.code)
+        if error is not None:  # the generation failed: a 500 that says how
             logger.error("generation failed", exc_info=error)
             return error_response(500, f"the generation failed: {type(error).__name__}: {str(error)[:500]}")
         return completion(self.settings.model_id, assembler)
@@ -261,7 +264,10 @@ class Inkling2App:
         try:
             async for delta in events:
                 yield event(writer.delta(delta))
-        except Exception as error:  # headers are out: report it in the stream, as OpenAI does, then end it
+        except RequestError as error:  # headers are out: report it in the stream, as OpenAI does, then end it
+            yield event(error_body(str(error), ERROR_TYPES.get(error.status, "invalid_request_error"), error.param,
+                                   error.code))  # fmt: skip
+        except Exception as error:
             yield event(error_body(f"{type(error).__name__}: {str(error)[:500]}", "server_error"))
         else:
             yield event(writer.chunk({}, finish_reason=assembler.finish_reason))

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (prometheus-client), named as vLLM names its own with our prefix, so dashboards
-built for one read the other: requests running and waiting, token counters, time to first token, inter-token
-latency, finished requests by reason (a client that left counts as `abort`, a failed generation as `error`), and
-DSpark's acceptance."""
+built for one read the other: requests running and waiting, the engine's free cache pages, token counters, time to
+first token, inter-token latency, finished requests by reason (a client that left counts as `abort`, a failed
+generation as `error`), and DSpark's acceptance."""
 
 from __future__ import annotations
 
@@ -21,8 +21,13 @@ class ServingMetrics:
         def bind(metric):
             return metric.labels(model_name=model_id)
 
-        self.running = bind(Gauge("inkling2:num_requests_running", "Requests generating now.", **labels))
-        self.waiting = bind(Gauge("inkling2:num_requests_waiting", "Requests queued for the model.", **labels))
+        self.running = bind(Gauge("inkling2:num_requests_running", "Requests in the engine's rows.", **labels))
+        self.waiting = bind(
+            Gauge("inkling2:num_requests_waiting", "Requests queued, or in the engine until pages free up.", **labels)
+        )
+        self.free_pages = bind(
+            Gauge("inkling2:kv_cache_free_pages", "Free pages of the engine's paged key/value cache.", **labels)
+        )
         self.prompt_tokens = bind(Counter("inkling2:prompt_tokens", "Prompt tokens, image tokens included.", **labels))
         self.generation_tokens = bind(Counter("inkling2:generation_tokens", "Generated tokens.", **labels))
         self.time_to_first_token = bind(

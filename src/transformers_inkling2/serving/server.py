@@ -7,7 +7,7 @@ through `AutoModelForMultimodalLM`, which maps our config back to the built-in m
 (FastAPI, uvicorn, pydantic); the parts are in this folder, one concern each:
 
     protocol.py  the request as pydantic models       chat.py     request -> inputs, text -> OpenAI replies
-    media.py     image URLs under a policy            worker.py   the model's thread and its bounded queue
+    media.py     image URLs under a policy            worker.py   the engine's thread and its bounded queue
     settings.py  flags and limits                     metrics.py  Prometheus metrics
     app.py       FastAPI routes, auth, errors
 """
@@ -21,26 +21,54 @@ import threading
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..engine import Inkling2Engine
 from .app import Inkling2App
 from .chat import ChatCompletions
 from .metrics import ServingMetrics
 from .settings import ServerSettings
-from .worker import Backend, GenerationWorker, model_backend
+from .worker import EngineRunner, GenerationWorker, Runner
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(tokenizer, backend: Backend, settings: ServerSettings, processor=None,
-              max_position_embeddings: int | None = None) -> Inkling2App:  # fmt: skip
-    """The application; `backend` runs the generations (`worker.model_backend(model, tokenizer)` for a model)."""
-    chat = ChatCompletions(tokenizer, settings, processor, max_position_embeddings)
+def _application(chat: ChatCompletions, runner: Runner, settings: ServerSettings) -> Inkling2App:
     metrics = ServingMetrics(settings.model_id)
-    return Inkling2App(chat, GenerationWorker(backend, settings.max_waiting, metrics), metrics, settings)
+    return Inkling2App(chat, GenerationWorker(runner, settings.max_waiting, metrics), metrics, settings)
+
+
+def build_app(tokenizer, runner: Runner, settings: ServerSettings, processor=None,
+              max_position_embeddings: int | None = None) -> Inkling2App:  # fmt: skip
+    """The application over any `Runner` (`model_app` builds the engine's; tests pass scripted ones)."""
+    return _application(ChatCompletions(tokenizer, settings, processor, max_position_embeddings), runner, settings)
+
+
+def build_engine(model, settings: ServerSettings, max_model_len: int) -> Inkling2Engine:
+    """The engine `settings` describe, over `model` (already on its device). Refuses a cache that cannot hold one
+    sequence of `max_model_len` tokens, as vLLM does: requests the context admits would be refused one by one."""
+    engine = Inkling2Engine(
+        model,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=settings.page_size,
+        num_pages=settings.num_pages,
+        max_step_tokens=settings.max_step_tokens,
+        dspark=settings.dspark,
+    )
+    holds = engine.scheduler.max_sequence_tokens
+    if holds < max_model_len:
+        raise ValueError(
+            f"the cache's {engine.cache.num_pages:,} pages of {settings.page_size} tokens hold {holds:,} tokens of one "
+            f"sequence, fewer than max_model_len {max_model_len:,}: lower --max-model-len, or give more pages "
+            "(--num-pages, or free memory)"
+        )
+    return engine
 
 
 def model_app(model, tokenizer, settings: ServerSettings, processor=None) -> Inkling2App:
-    config = getattr(model.config, "text_config", model.config)
-    return build_app(tokenizer, model_backend(model, tokenizer), settings, processor, config.max_position_embeddings)
+    """The application over `model`: continuous batching on an `Inkling2Engine` sized by `settings`."""
+    chat = ChatCompletions(tokenizer, settings, processor, model.config.get_text_config().max_position_embeddings)
+    engine = build_engine(model, settings, chat.max_model_len)
+    return _application(chat, EngineRunner(engine, tokenizer), settings)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -173,7 +201,8 @@ def serve(model, tokenizer, processor=None, settings: ServerSettings | None = No
     sock = _listening_socket(settings.host, settings.port)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     print(f"[serve] {settings.model_id} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI-compatible; "
-          f"context {app.chat.max_model_len:,} tokens; Ctrl-C stops)", flush=True)  # fmt: skip
+          f"context {app.chat.max_model_len:,} tokens; up to {settings.max_num_seqs} requests batched; Ctrl-C stops)",
+          flush=True)  # fmt: skip
     try:
         uvicorn.Server(_uvicorn_config(app, "info")).run(sockets=[sock])
     finally:
@@ -181,4 +210,4 @@ def serve(model, tokenizer, processor=None, settings: ServerSettings | None = No
         sock.close()
 
 
-__all__ = ["Inkling2Server", "ServerSettings", "build_app", "model_app", "serve"]
+__all__ = ["Inkling2Server", "ServerSettings", "build_app", "build_engine", "model_app", "serve"]

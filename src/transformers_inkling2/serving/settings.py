@@ -1,5 +1,6 @@
 """Everything `inkling2 serve` can be told, with safe defaults: loopback only, no local files, public media
-addresses only, bounded bodies, prompts, images and queues. `ServerSettings` is what the CLI flags fill in."""
+addresses only, bounded bodies, prompts, images and queues; and the engine's shape (sequences in flight, cache pages,
+tokens per step). `ServerSettings` is what the CLI flags fill in."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 @dataclass
 class ServerSettings:
-    """Limits and policies of one server. `max_model_len=None`: the model's `max_position_embeddings`."""
+    """Limits and policies of one server. `max_model_len=None`: the model's `max_position_embeddings`. The engine's
+    fields are `Inkling2Engine`'s arguments (`num_pages=None`: sized from the free memory)."""
 
     model_id: str = "inkling-2-small"
     host: str = "127.0.0.1"
@@ -41,16 +43,27 @@ class ServerSettings:
     # own name to 127.0.0.1 cannot reach the server), any when listening beyond it
     allowed_hosts: tuple[str, ...] | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    # the engine (continuous batching): sequences in flight, key/value cache pages, tokens per step, DSpark
+    max_num_seqs: int = 64
+    page_size: int = 256
+    num_pages: int | None = None
+    max_step_tokens: int = 2048
+    dspark: bool = False
 
     def __post_init__(self):
         if self.api_key is None:
             self.api_key = os.environ.get("INKLING2_API_KEY") or None
         positive = ("default_max_tokens", "max_request_bytes", "max_images_per_request", "max_image_pixels",
-                    "max_waiting", "max_connections")  # fmt: skip
+                    "max_waiting", "max_connections", "max_num_seqs", "page_size", "max_step_tokens")  # fmt: skip
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.page_size < 64 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two of at least 64, got {self.page_size}")
+        pages = self.num_pages
+        if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 2):
+            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved), or None, got {pages!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         for name in ("keep_alive_timeout_s", "request_timeout_s"):

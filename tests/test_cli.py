@@ -71,8 +71,8 @@ def test_serve_engine_flags_fill_the_server_settings():
     "flags,message",
     [(["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
      (["--max-step-tokens", "-5"], "max_step_tokens must be a positive integer, got -5"),
-     (["--page-size", "100"], "page_size must be a power of two of at least 64, got 100"),
-     (["--page-size", "32"], "page_size must be a power of two of at least 64, got 32"),
+     (["--page-size", "100"], "`page_size` must be a power of two of at least 64, got 100"),
+     (["--page-size", "32"], "`page_size` must be a power of two of at least 64, got 32"),
      (["--num-pages", "1"], r"num_pages must be an integer >= 2 \(page 0 is reserved\)")],
 )  # fmt: skip
 def test_bad_engine_flags_are_refused_before_the_model_loads(flags, message, capsys):

@@ -8,6 +8,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from ..cache.paged import check_page_size
 from .media import MediaPolicy
 
 DEFAULT_MAX_TOKENS = 1024
@@ -59,8 +60,7 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.page_size < 64 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two of at least 64, got {self.page_size}")
+        check_page_size(self.page_size)
         pages = self.num_pages
         if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 2):
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved), or None, got {pages!r}")

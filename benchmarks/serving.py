@@ -4,11 +4,13 @@ beside them as a cross-check.
 
 The server runs in this process (`Inkling2Server` in a background thread, a free port on loopback) over:
 - on a GPU, the 6-layer full-width slice of Inkling-2-Small with 384 random NVFP4 / MXFP8 experts
-  (`user_path.build_ours(quick=False, quantized=True)`) and the official tokenizer. It has no DSpark drafter:
-  with `--dspark` the DSpark rows are skipped with a note;
+  (`user_path.build_ours(quick=False, quantized=True)`) and the official tokenizer; with `--dspark`, also a drafter
+  of the official shape (2 layers, block 7, tapping layers 0-4 of the slice) with random weights: it drafts tokens
+  the random target rejects (acceptance about 0), so the DSpark rows measure the mechanism's cost, not its gain;
 - on CPU, the embedded tiny random model (`build_tiny_causal_lm()`); with `--dspark`, the tiny multimodal model with
-  its random drafter (`build_tiny_model(dspark=True)`), served twice, `generation_config.dspark` off then on (two
-  servers, one after the other, the same weights).
+  its random drafter (`build_tiny_model(dspark=True)`).
+With `--dspark` the model is served twice, DSpark off then on (`--dspark` of `inkling2 serve`: two servers, one after
+the other, the same weights).
 
 The weights are random, and a random model writes no block token (`<|content_text|>`, `<|content_thinking|>`): the
 server's response parser would hold its text until the reply ends, and the client would get each reply as one chunk.
@@ -43,12 +45,10 @@ Per level:
   and `inkling2:generation_tokens_total` (which should equal the client's completion tokens), and with DSpark its
   acceptance (accepted / drafted tokens).
 
-`inkling2 serve` runs one generation at a time today (one worker thread over a queue): aggregate throughput does not
-grow with concurrency, and TTFT grows with the queue ahead of a request, until the batching engine lands (issue #29),
-which is what this benchmark is to measure. Client and server share this process (and its GIL): the client's own
-time is small beside a decode step on a GPU, not nothing on a loaded CPU. The replies are noise (random weights).
-With the defaults on a GPU the run sends 170 requests of 256 tokens one generation after another (about 2.5 s each
-at 10 ms per token): pass `--concurrency 1 4 16` or `--requests-per-level N` to fit a shorter time limit.
+`inkling2 serve` batches its requests continuously (`Inkling2Engine`, docs/engine.md), with the server's default
+engine settings (`--max-num-seqs` at least the highest concurrency). Client and server share this process (and its
+GIL): the client's own time is small beside a decode step on a GPU, not nothing on a loaded CPU. The replies are
+noise (random weights).
 
 CPU (small defaults: 128 prompt tokens, 32 output tokens; a couple of minutes):
 
@@ -353,38 +353,45 @@ class TextBlockReply:
         return scores.index_fill(-1, self._index, float("-inf"))
 
 
-def shaped_backend(model, tokenizer):
-    """`model_app`'s backend, with `TextBlockReply` in each job's logits processors."""
-    from transformers_inkling2.serving.worker import model_backend
+def shaped_runner(engine, tokenizer):
+    """`model_app`'s runner, with `TextBlockReply` in each job's logits processors."""
+    from transformers_inkling2.serving.worker import EngineRunner
 
-    run = model_backend(model, tokenizer)
+    class ShapedRunner(EngineRunner):
+        def add(self, job):
+            shaping = TextBlockReply(tokenizer, job.inputs["input_ids"].shape[-1])
+            job.logits_processors = [*job.logits_processors, shaping]
+            super().add(job)
 
-    def shaped(job):
-        job.logits_processors = [*job.logits_processors, TextBlockReply(tokenizer, job.inputs["input_ids"].shape[-1])]
-        return run(job)
-
-    return shaped
+    return ShapedRunner(engine, tokenizer)
 
 
 def build_model(device: str, dspark: bool):
-    """(model, label, note): the GPU slice with quantized experts, or the tiny CPU model (with its drafter)."""
+    """(model, label): the GPU slice with quantized experts (and a random drafter of the official shape), or the
+    tiny CPU model (with its drafter)."""
     import transformers_inkling2
 
     if device == "cuda":
+        from parallel import fill_randomly_
         from user_path import build_ours
+
+        from transformers_inkling2 import Inkling2DSparkConfig
+        from transformers_inkling2.modeling.modeling_inkling2_dspark import Inkling2DSparkDrafter
 
         model = build_ours(quick=False, quantized=True)
         label = "6-layer full-width slice, 384 random NVFP4/MXFP8 experts"
-        if dspark and getattr(model, "dspark", None) is None:
-            return model, label, "the slice has no DSpark drafter: the DSpark rows are skipped"
-        return model, label, None
+        if dspark:
+            drafter = Inkling2DSparkDrafter(Inkling2DSparkConfig(target_layer_ids=[0, 1, 2, 3, 4]), model.config.vocab_size)
+            fill_randomly_(model.set_dspark(drafter))
+            label += ", random drafter of the official shape"
+        return model, label
     if dspark:
         model = transformers_inkling2.tiny.build_tiny_model(dspark=True).eval()
-        return model, "embedded tiny model with its random DSpark drafter (multimodal class)", None
-    return transformers_inkling2.build_tiny_causal_lm(), "embedded tiny model (random weights)", None
+        return model, "embedded tiny model with its random DSpark drafter (multimodal class)"
+    return transformers_inkling2.build_tiny_causal_lm(), "embedded tiny model (random weights)"
 
 
-async def measure_server(model, tokenizer, args, label: str, prompts: Prompts) -> dict:
+async def measure_server(model, tokenizer, args, label: str, prompts: Prompts, dspark: bool) -> dict:
     """One server over `model`: warm-up, then every concurrency level; the server stops at the end."""
     import openai
 
@@ -392,17 +399,22 @@ async def measure_server(model, tokenizer, args, label: str, prompts: Prompts) -
         Inkling2Server,
         ServerSettings,
         build_app,
+        build_engine,
         model_app,
     )
 
     most = max(args.concurrency)
+    # room for the chat template and the instruction around the prompt
+    max_model_len = args.prompt_tokens + args.output_tokens + 256
     settings = ServerSettings(model_id=MODEL_ID, port=0, max_waiting=max(64, most + 1),
-                              max_connections=max(256, 2 * most + 8))  # fmt: skip
+                              max_connections=max(256, 2 * most + 8), max_num_seqs=max(64, most),
+                              max_model_len=max_model_len, dspark=dspark)  # fmt: skip
     if args.unshaped:
         app = model_app(model, tokenizer, settings)
     else:  # model_app with the shaping processor
         positions = getattr(model.config, "text_config", model.config).max_position_embeddings
-        app = build_app(tokenizer, shaped_backend(model, tokenizer), settings, None, positions)
+        runner = shaped_runner(build_engine(model, settings, max_model_len), tokenizer)
+        app = build_app(tokenizer, runner, settings, None, positions)
     server = Inkling2Server(app).start()
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
                                 timeout=args.request_timeout)  # fmt: skip
@@ -484,20 +496,14 @@ async def benchmark(args) -> tuple[str, dict]:
 
     tokenizer = transformers_inkling2.build_inkling2_tokenizer()
     prompts = Prompts(tokenizer, args.prompt_tokens, args.seed)
-    model, label, note = build_model(args.device, args.dspark)
+    model, label = build_model(args.device, args.dspark)
     runs: dict[str, dict | str] = {}
     data = {"environment": environment_line(args.device), "model": label, "args": vars(args), "runs": runs}
-    notes = []
     variants = [("without DSpark", False)] + ([("with DSpark", True)] if args.dspark else [])
     for name, dspark in variants:
         run_label = f"{'tiny' if args.device == 'cpu' else 'slice'}, {name}" if args.dspark else label
-        if dspark and note:
-            runs[run_label] = "skipped: " + note
-            notes.append(note)
-            continue
-        model.generation_config.dspark = dspark
         try:
-            runs[run_label] = await measure_server(model, tokenizer, args, run_label, prompts)
+            runs[run_label] = await measure_server(model, tokenizer, args, run_label, prompts, dspark)
         except Exception as error:  # noqa: BLE001  (a server that does not start: reported, the next one runs)
             runs[run_label] = f"error: {type(error).__name__}: {str(error)[:200]}"
     requests = ("max(4, 2 x concurrency)" if not args.requests_per_level
@@ -508,9 +514,8 @@ async def benchmark(args) -> tuple[str, dict]:
             "Per-user tok/s: mean over requests of (tokens after the first token chunk) / (last token chunk - first token "
             "chunk). "
             "ITL: gap before a token chunk / its tokens. `/metrics` columns: the server's counters across the level; "
-            "generated tokens as the server counts them (and as the client's `usage` does). The server runs one "
-            "generation at a time (no batching yet, issue #29).")  # fmt: skip
-    sections = [f"# Serving ({data['environment']})", head, *[f"Note: {n}." for n in notes],
+            "generated tokens as the server counts them (and as the client's `usage` does).")  # fmt: skip
+    sections = [f"# Serving ({data['environment']})", head,
                 "## Streamed chat completions by concurrency", table(runs)]  # fmt: skip
     return "\n\n".join(sections), data
 

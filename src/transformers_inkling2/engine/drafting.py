@@ -17,7 +17,7 @@ from ..cache.common import MAX_STEP_TOKENS
 from ..generation.dspark import greedy_acceptance, sampled_acceptance
 from ..modeling.modeling_inkling2_dspark import ContextView
 from .requests import Sequence
-from .sampling import needs_processing, processed_scores, row_generator
+from .sampling import needs_processing, processed_scores, row_generator, to_device
 
 
 class RowDrafter:
@@ -56,17 +56,17 @@ class RowDrafter:
         self.cache.use_rows(0, bucket, self.cache.page_size)
         drafts, distributions = self.draft(by_slot, ids[:, 0], positions[:, :1])
         candidates = torch.cat([ids[:, :1], drafts], dim=1)
-        logits, hidden_states = engine.run_decode(candidates, positions, hidden_states=True)
+        logits, hidden_states = engine.run_decode(candidates, positions, engine.key_span(block + 1), hidden_states=True)
         self.cache.use_rows(0, bucket, self.cache.page_size)  # a replayed graph set nothing on the host
         self.remember(hidden_states, positions)
 
-        slots = torch.tensor([s.slot for s in rows], device=ids.device)
+        slots = to_device([s.slot for s in rows], ids.device)
         row_logits, row_drafts = logits.index_select(0, slots), drafts.index_select(0, slots)
         accepted, following = greedy_acceptance(row_logits, row_drafts)  # kept for the plain greedy rows
         accepted, following = accepted.tolist(), following.tolist()
         for i, sequence in enumerate(rows):
             if needs_processing(sequence):  # each position's scores as its prefix makes them
-                scores = processed_scores(sequence, sequence.tokens + row_drafts[i].tolist(), row_logits[i])[None]
+                scores = processed_scores(sequence, row_logits[i], following=row_drafts[i])[None]
                 if sequence.params.sampled:
                     generator = row_generator(sequence, ids.device)
                     q = distributions[sequence.slot][None]
@@ -104,8 +104,8 @@ class RowDrafter:
             state, logits, _ = self.drafter.head_step(state, previous, hidden[:, k], base_logits[:, k])
             previous = logits.argmax(-1)
             for slot, sequence in special:
-                prefix = sequence.tokens + [int(d[slot]) for d in drafts]
-                scores = processed_scores(sequence, prefix, logits[slot : slot + 1])
+                drafted = torch.stack([d[slot] for d in drafts]) if drafts else None
+                scores = processed_scores(sequence, logits[slot : slot + 1], following=drafted)
                 if not sequence.params.sampled:
                     previous[slot] = scores[0].argmax()
                     continue

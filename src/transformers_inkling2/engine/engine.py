@@ -31,7 +31,7 @@ from ..cache.paged import Inkling2PagedCache, check_page_size, pages_that_fit
 from ..modeling.activation_memory import prefill_activation_bytes
 from ..generation.decode_graphs import capture_graph
 from .requests import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams, Sequence
-from .sampling import next_tokens
+from .sampling import next_tokens, to_device
 from .scheduler import Scheduler
 
 logger = logging.get_logger(__name__)
@@ -225,7 +225,7 @@ class Inkling2Engine:
         if sequence.image_inputs is None or sequence.prompt_embeddings is not None:
             return
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in sequence.image_inputs.items()}
-        ids = torch.tensor([sequence.prompt_ids], device=self.device)
+        ids = to_device([sequence.prompt_ids], self.device)
         sequence.prompt_embeddings = self.model.dspark_prompt_embeddings(ids, **inputs)[0]
 
     # --- forwards -------------------------------------------------------------------------------------------------
@@ -240,11 +240,11 @@ class Inkling2Engine:
         if prompt_part > first:  # the prompt's own embeddings (images placed), then the generated tokens'
             embeddings = sequence.prompt_embeddings[first:prompt_part]
             if end > prompt_part:
-                ids = torch.tensor(sequence.tokens[prompt_part:end], device=self.device)
+                ids = to_device(sequence.tokens[prompt_part:end], self.device)
                 embeddings = torch.cat([embeddings, self.model.get_input_embeddings()(ids)])
             inputs["inputs_embeds"] = embeddings[None]
         else:
-            inputs["input_ids"] = torch.tensor([sequence.tokens[first:end]], device=self.device)
+            inputs["input_ids"] = to_device([sequence.tokens[first:end]], self.device)
         output = self.model(
             **inputs,
             cache_position=torch.arange(first, end, device=self.device),
@@ -269,14 +269,16 @@ class Inkling2Engine:
             positions[sequence.slot] = list(range(sequence.computed, sequence.computed + width))
         for sequence, row_tokens in zip(rows, tokens):
             ids[sequence.slot] = row_tokens
-        as_tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
-        return bucket, as_tensor(ids), as_tensor(positions)
+        return bucket, to_device(ids, self.device), to_device(positions, self.device)
 
-    def run_decode(self, ids: torch.Tensor, positions: torch.Tensor, hidden_states: bool = False):
-        """The decode forward over rows `0 .. len(ids) - 1`: logits [rows, tokens, vocab] (and the hidden states),
-        replayed as a CUDA graph per (rows, tokens, key span)."""
-        longest = max(s.computed for s in self.scheduler.running) + ids.shape[1]
-        span = power_of_two_at_least(longest, self.cache.page_size, self.cache.max_row_tokens)
+    def key_span(self, tokens: int) -> int:
+        """The full layers' key span of a decode step feeding `tokens` per row: a bucket over the longest row."""
+        longest = max(s.computed for s in self.scheduler.running) + tokens
+        return power_of_two_at_least(longest, self.cache.page_size, self.cache.max_row_tokens)
+
+    def run_decode(self, ids: torch.Tensor, positions: torch.Tensor, span: int, hidden_states: bool = False):
+        """The decode forward over rows `0 .. len(ids) - 1` attending to `span` full-layer keys: logits [rows,
+        tokens, vocab] (and the hidden states), replayed as a CUDA graph per (rows, tokens, key span)."""
         rows = ids.shape[0]
 
         def forward(ids, positions):
@@ -314,9 +316,36 @@ class Inkling2Engine:
 
     def _decode(self, rows: list[Sequence]) -> list[int]:
         _, ids, positions = self.decode_inputs(rows, [[s.tokens[-1]] for s in rows])
-        logits = self.run_decode(ids, positions)
-        slots = torch.tensor([s.slot for s in rows], device=self.device)
+        logits = self.run_decode(ids, positions, self.key_span(1))
+        slots = to_device([s.slot for s in rows], self.device)
         return next_tokens(rows, logits[:, -1].index_select(0, slots))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """On a GPU, runs and captures the decode step of every row bucket at every key span bucket once, before any
+        request: Triton's compilations and the graph captures (seconds in all) then happen here, not in the middle of
+        users' streams. Nothing is in flight; the rows written are emptied after."""
+        if self.device.type != "cuda" or not self.use_cuda_graphs:
+            return
+        if self.has_unfinished():
+            raise RuntimeError("warm_up() runs before the first request.")
+        width = 1 if self.drafter is None else self.drafter.block_size + 1
+        positions_of_rows = torch.arange(width, device=self.device)
+        most = self.cache.max_rows
+        for rows in sorted({power_of_two_at_least(n, 1, most) for n in range(1, most + 1)}):
+            ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+            positions = positions_of_rows.expand(rows, width)
+            span = self.cache.page_size
+            while True:
+                self.run_decode(ids, positions, span, hidden_states=self.drafter is not None)
+                if span >= self.cache.max_row_tokens:
+                    break
+                span = power_of_two_at_least(span + 1, span, self.cache.max_row_tokens)
+            if self.drafter is not None:
+                self.cache.use_rows(0, rows, self.cache.page_size)
+                self.drafter.draft([None] * rows, ids[:, 0], positions[:, :1])
+        for row in range(self.cache.max_rows):
+            self.cache.reset_row(row)
 
     # --- convenience ----------------------------------------------------------------------------------------------
 

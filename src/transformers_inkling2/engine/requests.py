@@ -69,6 +69,7 @@ class Sequence:
     admitted_order: int = -1
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    history: torch.Tensor | None = None  # `tokens` on the device, for the request's logits processors
     # DSpark's tallies for this request
     draft_steps: int = 0
     accepted_drafts: int = 0

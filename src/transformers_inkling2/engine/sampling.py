@@ -40,16 +40,40 @@ def row_generator(sequence: Sequence, device: torch.device) -> torch.Generator |
     return sequence.generator
 
 
-def processed_scores(sequence: Sequence, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
-    """[positions, vocab] fp32 scores after the row's processors; position j sees `prefix` plus the j tokens
-    after it (`prefix` holds them all)."""
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A tensor of Python values on `device` without waiting for the device: a CUDA copy from pinned memory is
+    asynchronous (from pageable memory it would wait for every queued kernel, and hand the GIL around)."""
+    tensor = torch.tensor(values)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def token_history(sequence: Sequence, device: torch.device) -> torch.Tensor:
+    """[1, tokens] the sequence's tokens on the device, kept between steps and grown by the new ones only."""
+    known = 0 if sequence.history is None else sequence.history.shape[1]
+    if known < len(sequence.tokens):
+        new = to_device(sequence.tokens[known:], device)[None]
+        sequence.history = new if sequence.history is None else torch.cat([sequence.history, new], dim=1)
+    return sequence.history
+
+
+def processed_scores(sequence: Sequence, logits: torch.Tensor, following: torch.Tensor | None = None) -> torch.Tensor:
+    """[positions, vocab] fp32 scores after the row's processors. Position j's processors see the sequence's tokens
+    and the first j tokens of `following` (a DSpark block's drafts, on the device). Temperature, top-k and top-p read
+    no tokens: without processors of its own a row hands them a placeholder of the right length."""
     processors = row_processors(sequence)
     logits = logits.float()
     if not processors:
         return logits
-    first = len(prefix) - logits.shape[0] + 1
-    ids = torch.tensor(prefix, device=logits.device)
-    return torch.cat([processors(ids[None, : first + j], logits[j : j + 1]) for j in range(logits.shape[0])])
+    length = len(sequence.tokens) + (0 if following is None else following.shape[0])
+    if sequence.params.logits_processors:
+        ids = token_history(sequence, logits.device)
+        ids = ids if following is None else torch.cat([ids, following[None]], dim=1)
+    else:
+        ids = torch.zeros((), dtype=torch.long, device=logits.device).expand(1, length)
+    first = length - logits.shape[0] + 1
+    return torch.cat([processors(ids[:, : first + j], logits[j : j + 1]) for j in range(logits.shape[0])])
 
 
 def draw(sequence: Sequence, scores: torch.Tensor) -> torch.Tensor:
@@ -65,10 +89,10 @@ def next_tokens(sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
     plain = [i for i, s in enumerate(sequences) if not needs_processing(s)]
     chosen = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
     if plain:
-        index = torch.tensor(plain, device=logits.device)
+        index = to_device(plain, logits.device)
         chosen[index] = logits.index_select(0, index).argmax(-1)
     plain_rows = set(plain)
     for i, sequence in enumerate(sequences):
         if i not in plain_rows:
-            chosen[i] = draw(sequence, processed_scores(sequence, sequence.tokens, logits[i : i + 1]))[0]
+            chosen[i] = draw(sequence, processed_scores(sequence, logits[i : i + 1]))[0]
     return chosen.tolist()

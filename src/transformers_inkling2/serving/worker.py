@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import itertools
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from .protocol import RequestError
 
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # what the engine embeds with the prompt when it admits a request
 _job_ids = itertools.count()
+
+GIL_SWITCH_INTERVAL_S = 2e-4
 
 
 @dataclass(eq=False)  # a job is itself: the worker keeps sets of them
@@ -108,6 +111,9 @@ class GenerationWorker:
         self._lock = threading.Lock()
         self._closed = False
         self._publish()
+        # The thread lets go of the GIL at every wait for the GPU and needs it back at once; at Python's default
+        # switch interval (5 ms) a busy event loop (many streams) keeps it that long each time. Only ever lowered.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="inkling2-worker")
         self._thread.start()
 

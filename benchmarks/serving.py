@@ -491,7 +491,8 @@ def environment_line(device: str) -> str:
             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
 
 
-async def benchmark(args) -> tuple[str, dict]:
+async def benchmark(args) -> None:
+    """Serves the model once per variant; the report is written after each (a run cut short keeps what it had)."""
     import transformers_inkling2
 
     tokenizer = transformers_inkling2.build_inkling2_tokenizer()
@@ -506,6 +507,10 @@ async def benchmark(args) -> tuple[str, dict]:
             runs[run_label] = await measure_server(model, tokenizer, args, run_label, prompts, dspark)
         except Exception as error:  # noqa: BLE001  (a server that does not start: reported, the next one runs)
             runs[run_label] = f"error: {type(error).__name__}: {str(error)[:200]}"
+        write_report(args.out, "serving", report(args, label, data, runs), data)
+
+
+def report(args, label: str, data: dict, runs: dict) -> str:
     requests = ("max(4, 2 x concurrency)" if not args.requests_per_level
                 else str(args.requests_per_level))  # fmt: skip
     head = (f"Model: {label}. Prompts: {args.prompt_tokens} tokens of CPython documentation (+ instruction and chat "
@@ -517,7 +522,7 @@ async def benchmark(args) -> tuple[str, dict]:
             "generated tokens as the server counts them (and as the client's `usage` does).")  # fmt: skip
     sections = [f"# Serving ({data['environment']})", head,
                 "## Streamed chat completions by concurrency", table(runs)]  # fmt: skip
-    return "\n\n".join(sections), data
+    return "\n\n".join(sections)
 
 
 def main() -> None:
@@ -541,8 +546,7 @@ def main() -> None:
     args.output_tokens = args.output_tokens or (256 if gpu else 32)
     if min(args.concurrency) < 1 or (args.requests_per_level is not None and args.requests_per_level < 1):
         parser.error("--concurrency and --requests-per-level take positive integers")
-    text, data = asyncio.run(benchmark(args))
-    write_report(args.out, "serving", text, data)
+    asyncio.run(benchmark(args))
 
 
 if __name__ == "__main__":

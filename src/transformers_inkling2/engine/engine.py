@@ -37,6 +37,8 @@ from .scheduler import Scheduler
 logger = logging.get_logger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 32_768
+# (first, end) token ranges of the prompt chunks `warm_up` runs
+WARM_UP_CHUNKS = ((0, 97), (0, 64), (64, 161), (161, 164), (164, 1201), (1201, 1203))
 RESERVE_SHARE = 0.05  # of the free memory, left for CUDA graphs and the allocator when pages are sized automatically
 
 
@@ -322,9 +324,10 @@ class Inkling2Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """On a GPU, runs and captures the decode step of every row bucket at every key span bucket once, before any
-        request: Triton's compilations and the graph captures (seconds in all) then happen here, not in the middle of
-        users' streams. Nothing is in flight; the rows written are emptied after."""
+        """On a GPU, runs and captures the decode step of every row bucket at every key span bucket once, and prompt
+        chunks of the kinds the scheduler cuts, before any request: Triton's compilations and the graph captures
+        (seconds in all) then happen here, not in the middle of users' streams (a first chunk after cached tokens
+        alone cost 5 s there). Nothing is in flight; the rows written are emptied after."""
         if self.device.type != "cuda" or not self.use_cuda_graphs:
             return
         if self.has_unfinished():
@@ -344,6 +347,17 @@ class Inkling2Engine:
             if self.drafter is not None:
                 self.cache.use_rows(0, rows, self.cache.page_size)
                 self.drafter.draft([None] * rows, ids[:, 0], positions[:, :1])
+        # prompt chunks as the scheduler cuts them: from the start and after cached tokens, long and short, of
+        # lengths that Triton specializes differently (multiples of 16 or not)
+        self.cache.reset_row(0)
+        dummy = Sequence([0] * self.cache.max_row_tokens, SamplingParams())
+        dummy.slot = 0
+        for first, end in WARM_UP_CHUNKS:
+            end = min(end, self.scheduler.max_sequence_tokens, first + self.scheduler.max_step_tokens)
+            if first < end:
+                output = self._prefill(dummy, first, end)
+                if self.drafter is not None:
+                    self.drafter.remember(output[1], torch.arange(first, end, device=self.device))
         for row in range(self.cache.max_rows):
             self.cache.reset_row(row)
 

@@ -70,6 +70,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     history: torch.Tensor | None = None  # `tokens` on the device, for the request's logits processors
+    processors: list | None = None  # its processors and warpers (`sampling.row_processors`)
     # DSpark's tallies for this request
     draft_steps: int = 0
     accepted_drafts: int = 0

@@ -20,17 +20,18 @@ def needs_processing(sequence: Sequence) -> bool:
 
 
 def row_processors(sequence: Sequence) -> LogitsProcessorList:
-    """The row's processors and warpers, in the order generate() applies them."""
-    params = sequence.params
-    processors = LogitsProcessorList(params.logits_processors)
-    if params.sampled:
-        if params.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(params.temperature))
-        if params.top_k:
-            processors.append(TopKLogitsWarper(params.top_k))
-        if params.top_p is not None and params.top_p < 1.0:
-            processors.append(TopPLogitsWarper(params.top_p))
-    return processors
+    """The row's processors and warpers, in the order generate() applies them (made once per request)."""
+    if sequence.processors is None:
+        params = sequence.params
+        sequence.processors = LogitsProcessorList(params.logits_processors)
+        if params.sampled:
+            if params.temperature != 1.0:
+                sequence.processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                sequence.processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p is not None and params.top_p < 1.0:
+                sequence.processors.append(TopPLogitsWarper(params.top_p))
+    return sequence.processors
 
 
 def row_generator(sequence: Sequence, device: torch.device) -> torch.Generator | None:
@@ -95,4 +96,6 @@ def next_tokens(sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
     for i, sequence in enumerate(sequences):
         if i not in plain_rows:
             chosen[i] = draw(sequence, processed_scores(sequence, logits[i : i + 1]))[0]
+            if sequence.history is not None:  # grown on the device: the next step copies nothing
+                sequence.history = torch.cat([sequence.history, chosen[None, i : i + 1]], dim=1)
     return chosen.tolist()

@@ -86,16 +86,36 @@ def draw(sequence: Sequence, scores: torch.Tensor) -> torch.Tensor:
 
 
 def next_tokens(sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """The next token of every sequence from its last logits `logits` [len(sequences), vocab]; one transfer."""
-    plain = [i for i, s in enumerate(sequences) if not needs_processing(s)]
+    """The next token of every sequence from its last logits `logits` [len(sequences), vocab]; one transfer. Rows
+    are chosen together where they can be: greedy rows in one argmax, sampled rows with the same temperature, top-k
+    and top-p in one pass of the warpers (which work row by row); rows with processors of their own one by one."""
     chosen = torch.empty(len(sequences), dtype=torch.long, device=logits.device)
-    if plain:
-        index = to_device(plain, logits.device)
-        chosen[index] = logits.index_select(0, index).argmax(-1)
-    plain_rows = set(plain)
+    groups: dict[tuple, list[int]] = {}
     for i, sequence in enumerate(sequences):
-        if i not in plain_rows:
-            chosen[i] = draw(sequence, processed_scores(sequence, logits[i : i + 1]))[0]
-            if sequence.history is not None:  # grown on the device: the next step copies nothing
-                sequence.history = torch.cat([sequence.history, chosen[None, i : i + 1]], dim=1)
+        params = sequence.params
+        key = "own" if params.logits_processors else (params.temperature, params.top_k, params.top_p)
+        groups.setdefault(key if params.sampled or params.logits_processors else "greedy", []).append(i)
+    for key, rows in groups.items():
+        if key == "own":
+            for i in rows:
+                sequence = sequences[i]
+                chosen[i] = draw(sequence, processed_scores(sequence, logits[i : i + 1]))[0]
+                if sequence.history is not None:  # grown on the device: the next step copies nothing
+                    sequence.history = torch.cat([sequence.history, chosen[None, i : i + 1]], dim=1)
+            continue
+        index = to_device(rows, logits.device)
+        scores = logits.index_select(0, index).float()
+        if key == "greedy":
+            chosen[index] = scores.argmax(-1)
+            continue
+        no_tokens = torch.zeros((), dtype=torch.long, device=logits.device).expand(len(rows), 1)
+        probabilities = torch.softmax(row_processors(sequences[rows[0]])(no_tokens, scores), dim=-1)
+        unseeded = [j for j, i in enumerate(rows) if sequences[i].params.seed is None]
+        if unseeded:
+            picked = to_device(unseeded, logits.device)
+            chosen[index[picked]] = torch.multinomial(probabilities[picked], 1).squeeze(-1)
+        for j, i in enumerate(rows):  # a seeded row draws from its own generator, as generate() would alone
+            if sequences[i].params.seed is not None:
+                generator = row_generator(sequences[i], logits.device)
+                chosen[i] = torch.multinomial(probabilities[j : j + 1], 1, generator=generator)[0, 0]
     return chosen.tolist()

@@ -95,7 +95,8 @@ def main() -> None:
         model, max_num_seqs=max(args.concurrency), max_model_len=prompt_tokens + output_tokens + 64,
         max_step_tokens=args.max_step_tokens,
     )  # fmt: skip
-    engine.warm_up()
+    if torch.cuda.is_available():
+        engine.warm_up()
     rows = []
     for concurrency in args.concurrency:
         run_level(engine, concurrency, prompt_tokens, min(output_tokens, 16), seed=1)  # warm-up: graphs, kernels

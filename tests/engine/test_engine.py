@@ -230,3 +230,19 @@ def test_logits_processors_of_a_request_apply_to_its_row_only(drafting_model, ds
     params = [SamplingParams(max_new_tokens=12, logits_processors=[BanLowTokens()]), SamplingParams(max_new_tokens=12)]
     outputs = engine_for(drafting_model, dspark=dspark).generate(requests, params)
     assert outputs == [expected, alone(drafting_model, requests[1], 12, do_sample=False)]
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_warm_up_runs_every_bucket_and_leaves_the_engine_as_it_was(drafting_model, dspark):
+    """What the server runs before its first request on a GPU (there it also compiles and captures; here it runs the
+    same forwards eagerly): afterwards requests get what they get without it."""
+    requests = prompts(16, [20, 9])
+    engine = engine_for(drafting_model, max_num_seqs=2, max_model_len=200, dspark=dspark)
+    engine.warm_up()
+    assert engine.scheduler.pages.free_count == engine.cache.num_pages - 1
+    assert engine.generate(requests, SamplingParams(max_new_tokens=10)) == [
+        alone(drafting_model, p, 10, do_sample=False) for p in requests
+    ]
+    engine.add_request(requests[0])
+    with pytest.raises(RuntimeError, match="before the first request"):
+        engine.warm_up()

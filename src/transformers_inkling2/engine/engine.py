@@ -324,14 +324,24 @@ class Inkling2Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """On a GPU, runs and captures the decode step of every row bucket at every key span bucket once, and prompt
-        chunks of the kinds the scheduler cuts, before any request: Triton's compilations and the graph captures
-        (seconds in all) then happen here, not in the middle of users' streams (a first chunk after cached tokens
-        alone cost 5 s there). Nothing is in flight; the rows written are emptied after."""
-        if self.device.type != "cuda" or not self.use_cuda_graphs:
-            return
+        """Runs prompt chunks of the kinds the scheduler cuts, and the decode step of every row bucket at every key
+        span bucket (captured as CUDA graphs on a GPU), before any request: on a GPU, Triton's compilations and the
+        graph captures (seconds in all) then happen here, not in the middle of users' streams (a first chunk after
+        cached tokens alone cost 5 s there); the server calls it there. Nothing is in flight; the rows written are
+        emptied after."""
         if self.has_unfinished():
             raise RuntimeError("warm_up() runs before the first request.")
+        # prompt chunks first (they also make the buffers allocated at a first write, the drafter's context among
+        # them): from the start and after cached tokens, long and short, of lengths that Triton specializes
+        # differently (multiples of 16 or not)
+        dummy = Sequence([0] * self.cache.max_row_tokens, SamplingParams())
+        dummy.slot = 0
+        for first, end in WARM_UP_CHUNKS:
+            end = min(end, self.scheduler.max_sequence_tokens, first + self.scheduler.max_step_tokens)
+            if first < end:
+                output = self._prefill(dummy, first, end)
+                if self.drafter is not None:
+                    self.drafter.remember(output[1], torch.arange(first, end, device=self.device))
         width = 1 if self.drafter is None else self.drafter.block_size + 1
         positions_of_rows = torch.arange(width, device=self.device)
         most = self.cache.max_rows
@@ -347,17 +357,6 @@ class Inkling2Engine:
             if self.drafter is not None:
                 self.cache.use_rows(0, rows, self.cache.page_size)
                 self.drafter.draft([None] * rows, ids[:, 0], positions[:, :1])
-        # prompt chunks as the scheduler cuts them: from the start and after cached tokens, long and short, of
-        # lengths that Triton specializes differently (multiples of 16 or not)
-        self.cache.reset_row(0)
-        dummy = Sequence([0] * self.cache.max_row_tokens, SamplingParams())
-        dummy.slot = 0
-        for first, end in WARM_UP_CHUNKS:
-            end = min(end, self.scheduler.max_sequence_tokens, first + self.scheduler.max_step_tokens)
-            if first < end:
-                output = self._prefill(dummy, first, end)
-                if self.drafter is not None:
-                    self.drafter.remember(output[1], torch.arange(first, end, device=self.device))
         for row in range(self.cache.max_rows):
             self.cache.reset_row(row)
 

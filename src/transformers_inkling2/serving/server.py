@@ -61,7 +61,8 @@ def build_engine(model, settings: ServerSettings, max_model_len: int) -> Inkling
             f"sequence, fewer than max_model_len {max_model_len:,}: lower --max-model-len, or give more pages "
             "(--num-pages, or free memory)"
         )
-    engine.warm_up()  # compilations and graph captures before the first request, not in its stream
+    if engine.device.type == "cuda":
+        engine.warm_up()  # compilations and graph captures before the first request, not in its stream
     return engine
 
 

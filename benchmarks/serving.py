@@ -381,7 +381,8 @@ def build_model(device: str, dspark: bool):
         model = build_ours(quick=False, quantized=True)
         label = "6-layer full-width slice, 384 random NVFP4/MXFP8 experts"
         if dspark:
-            drafter = Inkling2DSparkDrafter(Inkling2DSparkConfig(target_layer_ids=[0, 1, 2, 3, 4]), model.config.vocab_size)
+            drafter_config = Inkling2DSparkConfig(target_layer_ids=[0, 1, 2, 3, 4])
+            drafter = Inkling2DSparkDrafter(drafter_config, model.config.vocab_size)
             fill_randomly_(model.set_dspark(drafter))
             label += ", random drafter of the official shape"
         return model, label

@@ -14,7 +14,12 @@ from inkling2_helpers import (
     images,
 )
 
-from transformers_inkling2 import Inkling2Config, Inkling2ForCausalLM, Inkling2ForConditionalGeneration, Inkling2TextConfig
+from transformers_inkling2 import (
+    Inkling2Config,
+    Inkling2ForCausalLM,
+    Inkling2ForConditionalGeneration,
+    Inkling2TextConfig,
+)
 from transformers_inkling2.engine import Inkling2Engine, RequestTooLong, SamplingParams
 from transformers_inkling2.engine import drafting, scheduler
 from transformers_inkling2.tiny import randomize_
@@ -225,7 +230,8 @@ def test_logits_processors_of_a_request_apply_to_its_row_only(drafting_model, ds
     from transformers import LogitsProcessorList
 
     requests = prompts(15, [10, 22])
-    expected = alone(drafting_model, requests[0], 12, do_sample=False, logits_processor=LogitsProcessorList([BanLowTokens()]))
+    processor = LogitsProcessorList([BanLowTokens()])
+    expected = alone(drafting_model, requests[0], 12, do_sample=False, logits_processor=processor)
     assert min(expected) >= 250
     params = [SamplingParams(max_new_tokens=12, logits_processors=[BanLowTokens()]), SamplingParams(max_new_tokens=12)]
     outputs = engine_for(drafting_model, dspark=dspark).generate(requests, params)

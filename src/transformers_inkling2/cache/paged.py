@@ -100,7 +100,8 @@ class RowStep:
         tokens = self.positions.shape[1]
         device = positions.device
         # full layers: every new token's page and offset
-        pages = cache.block_table[cache.rows].gather(1, torch.div(self.positions, cache.page_size, rounding_mode="floor"))
+        page_index = torch.div(self.positions, cache.page_size, rounding_mode="floor")
+        pages = cache.block_table[cache.rows].gather(1, page_index)
         self.pages, self.offsets = pages.long(), self.positions.remainder(cache.page_size)
         # convolutions: the `kernel - 1` inputs before the step (held or zeros), read before the new positions are
         # recorded (a long prompt chunk overwrites those slots); then the new ones, the last `ring size` of them

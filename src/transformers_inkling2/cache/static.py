@@ -119,8 +119,8 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         """Writes the step's keys/values; returns what it attends to: (keys, values, key positions, key padding,
         whether the key positions ascend contiguously, None: no paged keys). With `attend_length` (a captured step,
         at most `max_queries` tokens) the full layers attend over that many slots and the host-side length is left to
-        the runner: nothing here then reads it, so the traced step does not depend on it. `slots`: the step's slots in this layer's
-        ring, when already computed (`StepSlots`)."""
+        the runner: nothing here then reads it, so the traced step does not depend on it. `slots`: the step's slots in
+        this layer's ring, when already computed (`StepSlots`)."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         new_tokens = keys.shape[2]

@@ -25,16 +25,13 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers.utils import logging
 
 from ..cache.paged import Inkling2PagedCache, check_page_size, pages_that_fit
-from ..modeling.activation_memory import prefill_activation_bytes
 from ..generation.decode_graphs import capture_graph
+from ..modeling.activation_memory import prefill_activation_bytes
 from .requests import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, RequestOutput, SamplingParams, Sequence
 from .sampling import next_tokens, to_device
 from .scheduler import Scheduler
-
-logger = logging.get_logger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 32_768
 # (first, end) token ranges of the prompt chunks `warm_up` runs
@@ -137,7 +134,8 @@ class Inkling2Engine:
         if max(prompt_ids) >= self.text_config.vocab_size or min(prompt_ids) < 0:
             raise ValueError(f"Prompt token ids must lie in [0, {self.text_config.vocab_size}).")
         params = params or SamplingParams()
-        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt_ids)))
+        room = self.max_model_len - len(prompt_ids)
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
         if params.max_new_tokens < 1:
             raise ValueError(
                 f"The prompt has {len(prompt_ids)} tokens; this engine holds {self.max_model_len} per sequence "

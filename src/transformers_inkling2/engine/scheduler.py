@@ -110,7 +110,8 @@ class Scheduler:
                 if victim is sequence:
                     break
         plan.decode = [s for s in plan.decode if s.slot is not None]
-        budget = max(self.max_step_tokens - len(plan.decode) * self.step_tokens, self.max_step_tokens // MIN_PREFILL_SHARE, 1)
+        decode_tokens = len(plan.decode) * self.step_tokens
+        budget = max(self.max_step_tokens - decode_tokens, self.max_step_tokens // MIN_PREFILL_SHARE, 1)
         for sequence in self.running:
             if budget <= 0:
                 break

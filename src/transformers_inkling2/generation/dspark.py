@@ -505,4 +505,10 @@ def dspark_decoding(
     )
 
 
-__all__ = ["DSparkOptions", "Inkling2DSparkGenerateOutput", "dspark_decoding", "greedy_acceptance", "sampled_acceptance"]
+__all__ = [
+    "DSparkOptions",
+    "Inkling2DSparkGenerateOutput",
+    "dspark_decoding",
+    "greedy_acceptance",
+    "sampled_acceptance",
+]

@@ -10,8 +10,9 @@ key_padding, sliding_window, scaling) -> [batch, queries, heads, head_dim]` regi
 `register_attention_backend` under the name users pass as `attn_implementation` (the fast ones live in
 `backends/attention/`). Positions are physical stream positions: 1-D and shared by the batch, or [batch, queries]
 and [batch, keys] when every row has its own (the serving engine's decode steps, at most `MAX_STEP_TOKENS` queries:
-only the eager and decode paths take them); `key_padding` is [batch, keys] (True = real token) or None. Key positions need not ascend: the static
-cache's sliding-window rings hold keys in slot order (see `ANY_ORDER_FALLBACK` for backends that need order).
+only the eager and decode paths take them); `key_padding` is [batch, keys] (True = real token) or None. Key
+positions need not ascend: the static cache's sliding-window rings hold keys in slot order (see `ANY_ORDER_FALLBACK`
+for backends that need order).
 """
 
 from __future__ import annotations

@@ -94,6 +94,8 @@ class RowStep:
     def __init__(self, cache: Inkling2PagedCache, positions: torch.Tensor):
         self.prompt = positions.dim() == 1
         rows = cache.rows.stop - cache.rows.start
+        if self.prompt and rows != 1:
+            raise ValueError(f"A prompt chunk (1-D positions) covers one row; `use_rows` gave {rows}.")
         self.positions = positions.view(-1, positions.shape[-1]).expand(rows, -1)
         self.cache = cache
         self._ring_slots: dict[int, torch.Tensor] = {}

@@ -216,7 +216,6 @@ class Inkling2Engine:
         return RequestOutput(sequence.request_id, kept)
 
     def _finish(self, sequence: Sequence, reason: str, tokens: list[int]) -> RequestOutput:
-        sequence.finish_reason = reason
         self.scheduler.remove(sequence)
         del self.sequences[sequence.request_id]
         return RequestOutput(sequence.request_id, tokens, finished=True, finish_reason=reason)

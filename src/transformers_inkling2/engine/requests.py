@@ -67,7 +67,6 @@ class Sequence:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     admitted_order: int = -1
-    finish_reason: str | None = None
     generator: torch.Generator | None = None
     history: torch.Tensor | None = None  # `tokens` on the device, for the request's logits processors
     processors: list | None = None  # its processors and warpers (`sampling.row_processors`)

@@ -46,17 +46,27 @@ def full_layer_bytes_per_token(config: Inkling2TextConfig, dtype_bytes: int = 2,
     return full_layers * 2 * kv_heads * config.head_dim * dtype_bytes
 
 
+def local_kv_width(config: Inkling2TextConfig, layer_type: str, tp: int = 1) -> int:
+    """Channels of a layer's keys (or values) that one rank holds: its kv heads (at least one) times the head dim."""
+    prefix = "swa_" if layer_type == SLIDING_LAYER else ""
+    return max(1, getattr(config, f"{prefix}num_key_value_heads") // tp) * getattr(config, f"{prefix}head_dim")
+
+
+def convolution_state_bytes(config: Inkling2TextConfig, tp: int = 1) -> int:
+    """One sequence's short-convolution inputs in every layer, as every Inkling2 cache keeps them: keys and values
+    (the kv width) and the two residual-stream convolutions, `conv_kernel_size - 1 + MAX_STEP_TOKENS` fp32 each."""
+    ring = config.conv_kernel_size - 1 + MAX_STEP_TOKENS
+    widths = (2 * local_kv_width(config, kind, tp) + 2 * config.hidden_size for kind in config.layer_types)
+    return sum(widths) * ring * 4
+
+
 def row_state_bytes(config: Inkling2TextConfig, dtype_bytes: int = 2, tp: int = 1, dspark_config=None) -> int:
     """What one row holds whatever its length: sliding-window rings, convolution rings (fp32), the drafter's context."""
     sliding_ring = config.sliding_window_size - 1 + MAX_STEP_TOKENS
-    conv_ring = config.conv_kernel_size - 1 + MAX_STEP_TOKENS
-    total = 0
+    total = convolution_state_bytes(config, tp)
     for kind in config.layer_types:
-        prefix = "swa_" if kind == SLIDING_LAYER else ""
-        kv_width = max(1, getattr(config, f"{prefix}num_key_value_heads") // tp) * getattr(config, f"{prefix}head_dim")
         if kind == SLIDING_LAYER:
-            total += 2 * kv_width * sliding_ring * dtype_bytes
-        total += (2 * kv_width + 2 * config.hidden_size) * conv_ring * 4
+            total += 2 * local_kv_width(config, kind, tp) * sliding_ring * dtype_bytes
     if dspark_config is not None:
         context = dspark_config.context_window + MAX_STEP_TOKENS
         width = dspark_config.num_key_value_heads * dspark_config.head_dim
@@ -97,7 +107,6 @@ class RowStep:
         if self.prompt and rows != 1:
             raise ValueError(f"A prompt chunk (1-D positions) covers one row; `use_rows` gave {rows}.")
         self.positions = positions.view(-1, positions.shape[-1]).expand(rows, -1)
-        self.cache = cache
         self._ring_slots: dict[int, torch.Tensor] = {}
         tokens = self.positions.shape[1]
         device = positions.device
@@ -139,7 +148,7 @@ class Inkling2PagedCache:
         check_page_size(page_size)
         if num_pages < 2:
             raise ValueError(f"A paged cache needs at least 2 pages (page 0 is reserved), got {num_pages}.")
-        self.config, self.max_rows, self.num_pages, self.page_size = config, max_rows, num_pages, page_size
+        self.max_rows, self.num_pages, self.page_size = max_rows, num_pages, page_size
         self.layer_types = list(config.layer_types)
         self.sliding_capacity = config.sliding_window_size - 1 + MAX_STEP_TOKENS
         self.history = config.sliding_window_size - 1
@@ -215,14 +224,13 @@ class Inkling2PagedCache:
         positions [rows, tokens]: the last `context_capacity` of them, at slot = position mod capacity."""
         capacity = self.context_capacity
         positions = positions.view(-1, positions.shape[-1])[:, -capacity:]
-        slots, kept = positions.remainder(capacity), positions.shape[1]
-        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        slots = positions.remainder(capacity)
         for i, (keys, values) in enumerate(layer_keys_values):
             if self.context_keys[i] is None:
-                self.context_keys[i] = keys.new_zeros(self.max_rows, keys.shape[1], capacity, keys.shape[3])
-                self.context_values[i] = values.new_zeros(self.max_rows, values.shape[1], capacity, values.shape[3])
-            for ring, new in ((self.context_keys[i], keys), (self.context_values[i], values)):
-                ring[self.rows][rows, :, slots] = new[:, :, -kept:].transpose(1, 2)
+                self.context_keys[i] = empty_ring(keys, self.max_rows, capacity)
+                self.context_values[i] = empty_ring(values, self.max_rows, capacity)
+            write_at_slots(self.context_keys[i][self.rows], slots, keys)
+            write_at_slots(self.context_values[i][self.rows], slots, values)
         self.context_positions[self.rows].scatter_(1, slots, positions)
 
     def drafter_context(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -269,8 +277,8 @@ class Inkling2PagedCache:
     def _sliding_layer_keys(self, layer_idx, keys, values, step: RowStep):
         capacity = self.sliding_capacity
         if self.keys[layer_idx] is None:
-            self.keys[layer_idx] = keys.new_zeros(self.max_rows, keys.shape[1], capacity, keys.shape[3])
-            self.values[layer_idx] = values.new_zeros(self.max_rows, values.shape[1], capacity, values.shape[3])
+            self.keys[layer_idx] = empty_ring(keys, self.max_rows, capacity)
+            self.values[layer_idx] = empty_ring(values, self.max_rows, capacity)
         ring_keys, ring_values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
         slot_positions = self.slot_positions[layer_idx][self.rows]
         slots = step.ring_slots(capacity)
@@ -287,11 +295,9 @@ class Inkling2PagedCache:
                 True,
                 None,
             )
-        rows = torch.arange(slots.shape[0], device=keys.device)[:, None]
-        kept = slots.shape[1]
-        ring_keys[rows, :, slots] = keys[:, :, -kept:].transpose(1, 2)
-        ring_values[rows, :, slots] = values[:, :, -kept:].transpose(1, 2)
-        slot_positions.scatter_(1, slots, step.positions[:, -kept:])
+        write_at_slots(ring_keys, slots, keys)
+        write_at_slots(ring_values, slots, values)
+        slot_positions.scatter_(1, slots, step.positions[:, -slots.shape[1] :])
         if step.prompt:
             return attend
         return ring_keys, ring_values, slot_positions, None, False, None
@@ -314,6 +320,18 @@ class Inkling2PagedCache:
         return context
 
 
+def empty_ring(like: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
+    """A zeroed per-row ring [rows, heads, capacity, dim] for entries shaped like `like` [., heads, ., dim]."""
+    return like.new_zeros(rows, like.shape[1], capacity, like.shape[3])
+
+
+def write_at_slots(ring: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Row r's last `slots.shape[1]` entries of `new` [rows, heads, tokens, dim] into `ring` [rows, heads, size, dim]
+    at `slots[r]` (in place: `ring` may be a view of the cache's rows)."""
+    rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+    ring[rows, :, slots] = new[:, :, -slots.shape[1] :].transpose(1, 2)
+
+
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[rows, kv_heads, pages * page_size, dim]: every row's pages from a [pages, kv_heads, page_size, dim] pool."""
     rows, pages = block_table.shape
@@ -328,8 +346,10 @@ def pages_for(tokens: int, page_size: int) -> int:
 __all__ = [
     "Inkling2PagedCache",
     "check_page_size",
+    "convolution_state_bytes",
     "full_layer_bytes_per_token",
     "gather_pages",
+    "local_kv_width",
     "pages_for",
     "pages_that_fit",
     "row_state_bytes",

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.common import MAX_STEP_TOKENS
-from ..cache.paged import check_page_size, full_layer_bytes_per_token, pages_that_fit, row_state_bytes
+from ..cache.paged import (
+    check_page_size,
+    convolution_state_bytes,
+    full_layer_bytes_per_token,
+    local_kv_width,
+    pages_that_fit,
+    row_state_bytes,
+)
 from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2TextConfig
 from ..modeling.activation_memory import prefill_activation_bytes
 
@@ -135,19 +142,14 @@ def memory_plan(
     """Bytes per GPU; see the module docstring for what is counted and how."""
     text = config.get_text_config()
     ep = checked_sizes(text, variant, tp, ep, context=context, batch=batch, prefill_chunk=prefill_chunk)
-    hidden = text.hidden_size
     weights = weight_bytes(config, variant, tp, ep)
 
-    kv_cache = conv_states = 0.0
-    for layer in range(text.num_hidden_layers):
-        sliding = text.layer_types[layer] != FULL_LAYER
-        prefix = "swa_" if sliding else ""
-        kv_heads = getattr(text, f"{prefix}num_key_value_heads")
-        local_kv_heads = max(1, kv_heads // tp)
+    kv_cache = 0.0
+    for layer_type in text.layer_types:
+        sliding = layer_type != FULL_LAYER
         keys = min(context, text.sliding_window_size - 1 + MAX_STEP_TOKENS) if sliding else context
-        kv_cache += batch * 2 * keys * local_kv_heads * getattr(text, f"{prefix}head_dim") * 2.0
-        kv_width = local_kv_heads * getattr(text, f"{prefix}head_dim")
-        conv_states += batch * (2 * kv_width + 2 * hidden) * (text.conv_kernel_size - 1 + MAX_STEP_TOKENS) * 4.0
+        kv_cache += batch * 2 * keys * local_kv_width(text, layer_type, tp) * 2.0
+    conv_states = float(batch * convolution_state_bytes(text, tp))
 
     activations = batch * prefill_activation_bytes(text, min(prefill_chunk, context), tp)
     return MemoryPlan(weights, kv_cache, conv_states, activations)

@@ -27,11 +27,13 @@ import torch
 
 from ..engine import RequestTooLong, SamplingParams
 from ..engine.requests import Sequence
+from ..processing.image_processing_inkling2 import Inkling2ImageProcessor
 from ..processing.response_parsing import IncrementalTextStreamer
 from .metrics import ServingMetrics
 from .protocol import RequestError
 
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # what the engine embeds with the prompt when it admits a request
+# what the engine embeds with the prompt when it admits a request: the image processor's outputs
+IMAGE_INPUTS = tuple(Inkling2ImageProcessor.model_input_names)
 _job_ids = itertools.count()
 
 GIL_SWITCH_INTERVAL_S = 2e-4

@@ -11,7 +11,13 @@ at once (random prompts of --prompt-tokens, greedy, --output-tokens each) and st
 - decode step ms: the mean wall time of steps that only decoded (no prompt chunk), i.e. at C rows.
 A warm-up level runs first with the same shapes (CUDA graphs captured there).
 
+`--breakdown` (GPU) then times the pieces of a step apart, each synchronized: a prompt chunk of one row and of two
+rows one after the other, the decode forward (graph replay) at 1 and at the most rows, and choosing the rows' next
+tokens greedy without processors and with a logits processor per row (as the serving benchmark's shaping one); and
+writes the profiler's top kernels of one prompt chunk.
+
     python3 benchmarks/engine.py --out $OUT [--concurrency 1 4 16 64] [--prompt-tokens 1024] [--output-tokens 256]
+        [--breakdown]
 """
 
 from __future__ import annotations
@@ -76,6 +82,110 @@ def run_level(engine, concurrency: int, prompt_tokens: int, output_tokens: int, 
     }
 
 
+def synchronized_ms(fn, repeats: int = 5) -> float:
+    """Median wall milliseconds of `fn()` with the GPU idle before and after."""
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times[1:])[repeats // 2]
+
+
+class BanToken:
+    """A per-request logits processor of the serving benchmark's cost (one masked fill per step)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.index_fill(-1, torch.tensor([self.token], device=scores.device), float("-inf"))
+
+
+@torch.inference_mode()
+def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
+    """([piece, ms] rows, the profiler's kernel table of one prompt chunk); see the module docstring."""
+    from transformers_inkling2.engine.requests import SamplingParams, Sequence
+    from transformers_inkling2.engine.sampling import next_tokens
+
+    prompt = [1] * prompt_tokens
+    sequences = [Sequence(prompt, SamplingParams()) for _ in range(2)]
+    for slot, sequence in enumerate(sequences):
+        sequence.slot = slot
+
+    def chunks(count):
+        for sequence in sequences[:count]:
+            engine._prefill(sequence, 0, prompt_tokens)
+
+    pieces = [[f"prompt chunk, 1 row x {prompt_tokens}", synchronized_ms(lambda: chunks(1))],
+              [f"prompt chunks, 2 rows x {prompt_tokens}, one after the other", synchronized_ms(lambda: chunks(2))]]  # fmt: skip
+    engine.scheduler.running = [Sequence(prompt, SamplingParams()) for _ in range(rows)]
+    for slot, sequence in enumerate(engine.scheduler.running):
+        sequence.slot, sequence.computed = slot, prompt_tokens
+    span = engine.key_span(1)
+    for count in sorted({1, rows}):
+        ids = torch.zeros(count, 1, dtype=torch.long, device=engine.device)
+        positions = torch.full((count, 1), prompt_tokens, device=engine.device)
+        engine.run_decode(ids, positions, span)
+        pieces.append([f"decode forward, {count} rows (graph)", synchronized_ms(lambda: engine.run_decode(ids, positions, span))])  # fmt: skip
+    logits = torch.randn(rows, engine.text_config.vocab_size, device=engine.device)
+    greedy = [Sequence(prompt, SamplingParams()) for _ in range(rows)]
+    own = [Sequence(prompt, SamplingParams(logits_processors=[BanToken(0)])) for _ in range(rows)]
+    pieces.append([f"next tokens, {rows} greedy rows", synchronized_ms(lambda: next_tokens(greedy, logits))])
+    pieces.append([f"next tokens, {rows} rows with a processor each", synchronized_ms(lambda: next_tokens(own, logits))])  # fmt: skip
+    engine.scheduler.running = []
+    prefill_syncs = sync_points(lambda: chunks(1))
+    from transformers_inkling2.engine import SamplingParams as Params
+
+    for _ in range(rows):
+        engine.add_request(prompt, Params(max_new_tokens=200))
+    while any(not s.decoding for s in engine.scheduler.running) or engine.num_waiting:
+        engine.step()
+    pieces.append([f"engine step, {rows} rows decoding (host and GPU)", synchronized_ms(engine.step, repeats=21)])
+    step_syncs = sync_points(engine.step)
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [engine.step() for _ in range(30)])
+    host = io.StringIO()
+    pstats.Stats(profiler, stream=host).sort_stats("tottime").print_stats(18)
+    for request_id in list(engine.sequences):
+        engine.cancel(request_id)
+    engine.step()
+    diagnostics = (f"Host syncs in one prompt chunk: {prefill_syncs}\n\nHost syncs in one decode step: {step_syncs}\n\n"
+                   f"cProfile of 30 decode steps ({rows} rows), by own time:\n\n```\n{host.getvalue()[-6000:]}\n```\n")  # fmt: skip
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        chunks(1)
+        torch.cuda.synchronize()
+    table = profile.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    for row in range(engine.cache.max_rows):
+        engine.cache.reset_row(row)
+    return pieces, diagnostics + "\nTop kernels of one prompt chunk:\n\n```\n" + table + "\n```\n"
+
+
+def sync_points(fn) -> dict[str, int]:
+    """{file:line in our code: count} of the host-device synchronizations `fn()` makes."""
+    import warnings
+
+    found: dict[str, int] = {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            where = f"{warning.filename}:{warning.lineno}"
+            found[where] = found.get(where, 0) + 1
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
@@ -83,6 +193,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=None)
     parser.add_argument("--output-tokens", type=int, default=None)
     parser.add_argument("--max-step-tokens", type=int, default=2048)
+    parser.add_argument("--breakdown", action="store_true", help="also time a step's pieces apart (GPU)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     prompt_tokens = args.prompt_tokens or (1024 if gpu else 128)
@@ -116,7 +227,14 @@ def main() -> None:
         f"# Inkling2Engine by itself: {label}, {prompt_tokens} prompt tokens, {output_tokens} output tokens, greedy, "
         f"max_step_tokens {args.max_step_tokens}\n\n{environment() if gpu else platform.processor() or 'CPU'}\n"
     )
-    write_report(args.out, "engine", header + "\n" + table + "\n", {"rows": rows, "label": label})
+    text, data = header + "\n" + table + "\n", {"rows": rows, "label": label}
+    if args.breakdown and gpu:
+        pieces, kernels = breakdown(engine, prompt_tokens, max(args.concurrency))
+        text += "\n" + markdown_table(["piece", "ms"], [[name, fmt(ms)] for name, ms in pieces])
+        text += f"\n\n{kernels}"
+        print(text, flush=True)
+        data["breakdown"] = pieces
+    write_report(args.out, "engine", text, data)
 
 
 if __name__ == "__main__":

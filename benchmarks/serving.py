@@ -46,9 +46,10 @@ Per level:
   acceptance (accepted / drafted tokens).
 
 `inkling2 serve` batches its requests continuously (`Inkling2Engine`, docs/engine.md), with the server's default
-engine settings (`--max-num-seqs` at least the highest concurrency). Client and server share this process (and its
-GIL): the client's own time is small beside a decode step on a GPU, not nothing on a loaded CPU. The replies are
-noise (random weights).
+engine settings (`--max-num-seqs` at least the highest concurrency). The client runs in a child process (spawned
+once; its own interpreter and GIL), as a real client runs elsewhere: in the server's process its parsing of every
+streamed chunk would compete with the engine thread for the GIL (docs/benchmarks.md has both runs). The table's "TTFT p50 after the first C" leaves out the opening burst (the first C
+requests of a level arrive at once and wait for each other's prompts). The replies are noise (random weights).
 
 CPU (small defaults: 128 prompt tokens, 32 output tokens; a couple of minutes):
 
@@ -199,22 +200,40 @@ async def one_request(client, prompt: str, output_tokens: int, timeout: float) -
     return result
 
 
-async def run_level(client, prompts: Prompts, first_prompt: int, concurrency: int, requests: int,
-                    output_tokens: int, timeout: float) -> tuple[list[RequestResult], float]:  # fmt: skip
-    """`requests` requests, `concurrency` of them in flight at any time; (results, wall seconds)."""
-    queue = list(range(requests))
-    results: list[RequestResult | None] = [None] * requests
-    for k in queue:
-        prompts[first_prompt + k]  # tokenize before the clock starts
+async def run_level(client, texts: list[str], concurrency: int, output_tokens: int,
+                    timeout: float) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """One request per prompt text, `concurrency` of them in flight at any time; (results, wall seconds)."""
+    queue = list(range(len(texts)))
+    results: list[RequestResult | None] = [None] * len(texts)
 
     async def user():
         while queue:
             k = queue.pop(0)
-            results[k] = await one_request(client, prompts[first_prompt + k], output_tokens, timeout)
+            results[k] = await one_request(client, texts[k], output_tokens, timeout)
 
     start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(min(concurrency, requests))))
+    await asyncio.gather(*(user() for _ in range(min(concurrency, len(texts)))))
     return results, time.perf_counter() - start
+
+
+async def drive(base_url: str, texts: list[str], concurrency: int, output_tokens: int, timeout: float):
+    """One level from the client's side: (results, wall seconds, /metrics before, /metrics after)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout)
+    root = base_url.removesuffix("/v1")
+    try:
+        before = await server_metrics(client, root)
+        results, wall = await run_level(client, texts, concurrency, output_tokens, timeout)
+        after = await server_metrics(client, root)
+    finally:
+        await client.close()
+    return results, wall, before, after
+
+
+def client_level(*args):
+    """`drive` in the client process (a spawned child of this script: its own interpreter and GIL)."""
+    return asyncio.run(drive(*args))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -229,8 +248,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(numpy.percentile(values, q))
 
 
-def level_stats(results: list[RequestResult], wall: float, tokenizer) -> dict:
+def level_stats(results: list[RequestResult], wall: float, tokenizer, concurrency: int) -> dict:
+    """The level's numbers (module docstring); requests are in the order they were sent, so those after the first
+    `concurrency` are the ones that arrived one by one as others ended, not in the opening burst."""
     good = [r for r in results if r.ok]
+    after_burst = [r.chunks[0][0] - r.sent for r in results[concurrency:] if r.ok]
     failures: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -263,6 +285,7 @@ def level_stats(results: list[RequestResult], wall: float, tokenizer) -> dict:
         "per_user_tokens_per_s": sum(per_user) / len(per_user) if per_user else None,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
+        "ttft_after_burst_p50_s": percentile(after_burst, 50),
         "itl_p50_ms": None if not itl else percentile(itl, 50) * 1e3,
         "itl_p99_ms": None if not itl else percentile(itl, 99) * 1e3,
         "finish_reasons": dict(Counter(str(r.finish_reason) for r in good)),
@@ -392,10 +415,9 @@ def build_model(device: str, dspark: bool):
     return transformers_inkling2.build_tiny_causal_lm(), "embedded tiny model (random weights)"
 
 
-async def measure_server(model, tokenizer, args, label: str, prompts: Prompts, dspark: bool) -> dict:
-    """One server over `model`: warm-up, then every concurrency level; the server stops at the end."""
-    import openai
-
+def measure_server(model, tokenizer, args, label: str, prompts: Prompts, dspark: bool, clients) -> dict:
+    """One server over `model`: warm-up, then every concurrency level driven from the client process `clients`;
+    the server stops at the end."""
     from transformers_inkling2.serving.server import (
         Inkling2Server,
         ServerSettings,
@@ -417,34 +439,30 @@ async def measure_server(model, tokenizer, args, label: str, prompts: Prompts, d
         runner = shaped_runner(build_engine(model, settings, max_model_len), tokenizer)
         app = build_app(tokenizer, runner, settings, None, positions)
     server = Inkling2Server(app).start()
-    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
-                                timeout=args.request_timeout)  # fmt: skip
-    root = server.base_url.removesuffix("/v1")
+
+    def level(texts: list[str], concurrency: int):
+        job = (server.base_url, texts, concurrency, args.output_tokens, args.request_timeout)
+        return clients.submit(client_level, *job).result()
+
     levels = {}
     try:
         print(f"[serving] {label}: {server.base_url}, warming up", flush=True)
-        for k in range(WARMUP_REQUESTS):
-            warm = await one_request(client, prompts[10_000 + k], args.output_tokens, args.request_timeout)
-            if warm.error:
-                print(f"[serving] warm-up request failed: {warm.error}", flush=True)
+        warm, _, _, _ = level([prompts[10_000 + k] for k in range(WARMUP_REQUESTS)], 1)
+        for failed in (r for r in warm if r.error):
+            print(f"[serving] warm-up request failed: {failed.error}", flush=True)
         next_prompt = 0
         for concurrency in args.concurrency:
             requests = args.requests_per_level or max(4, 2 * concurrency)
-            before = await server_metrics(client, root)
-            results, wall = await run_level(client, prompts, next_prompt, concurrency, requests,
-                                            args.output_tokens, args.request_timeout)  # fmt: skip
+            texts = [prompts[next_prompt + k] for k in range(requests)]  # tokenized before the clock starts
             next_prompt += requests
-            after = await server_metrics(client, root)
-            stats = level_stats(results, wall, tokenizer)
+            results, wall, before, after = level(texts, concurrency)
+            stats = level_stats(results, wall, tokenizer, concurrency)
             stats["server"] = metrics_delta(before, after)
             levels[concurrency] = stats
             print(f"[serving] {label}, concurrency {concurrency}: {stats['ok']}/{requests} ok in {wall:.1f} s, "
                   f"{fmt(stats['aggregate_tokens_per_s'], '.1f')} tokens/s", flush=True)  # fmt: skip
     finally:
-        try:
-            await client.close()
-        finally:
-            server.stop()
+        server.stop()
     return levels
 
 
@@ -456,7 +474,7 @@ def server_latency(server: dict) -> str:
 
 def table(runs: dict) -> str:
     headers = ["server", "concurrency", "requests ok / failed", "wall s", "aggregate tok/s", "per-user tok/s",
-               "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "mean out tokens",
+               "TTFT p50 s", "TTFT p99 s", "TTFT p50 s after the first C", "ITL p50 ms", "ITL p99 ms", "mean out tokens",
                "/metrics: success by reason", "/metrics: generated tokens (client)",
                "/metrics: mean TTFT s / ITL ms"]  # fmt: skip
     rows = []
@@ -474,7 +492,8 @@ def table(runs: dict) -> str:
                 tokens += f"; DSpark acceptance {server['dspark_acceptance']:.2f}"
             rows.append([label, concurrency, f"{s['ok']} / {failed}", fmt(s["wall_s"], ".1f"),
                          fmt(s["aggregate_tokens_per_s"], ".1f"), fmt(s["per_user_tokens_per_s"], ".1f"),
-                         fmt(s["ttft_p50_s"], ".3f"), fmt(s["ttft_p99_s"], ".3f"), fmt(s["itl_p50_ms"], ".1f"),
+                         fmt(s["ttft_p50_s"], ".3f"), fmt(s["ttft_p99_s"], ".3f"),
+                         fmt(s["ttft_after_burst_p50_s"], ".3f"), fmt(s["itl_p50_ms"], ".1f"),
                          fmt(s["itl_p99_ms"], ".1f"), fmt(s["mean_completion_tokens"], ".1f"), reasons,
                          tokens, server_latency(server)])  # fmt: skip
     return markdown_table(headers, rows)
@@ -492,8 +511,11 @@ def environment_line(device: str) -> str:
             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")  # fmt: skip
 
 
-async def benchmark(args) -> None:
+def benchmark(args) -> None:
     """Serves the model once per variant; the report is written after each (a run cut short keeps what it had)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     import transformers_inkling2
 
     tokenizer = transformers_inkling2.build_inkling2_tokenizer()
@@ -502,13 +524,14 @@ async def benchmark(args) -> None:
     runs: dict[str, dict | str] = {}
     data = {"environment": environment_line(args.device), "model": label, "args": vars(args), "runs": runs}
     variants = [("without DSpark", False)] + ([("with DSpark", True)] if args.dspark else [])
-    for name, dspark in variants:
-        run_label = f"{'tiny' if args.device == 'cpu' else 'slice'}, {name}" if args.dspark else label
-        try:
-            runs[run_label] = await measure_server(model, tokenizer, args, run_label, prompts, dspark)
-        except Exception as error:  # noqa: BLE001  (a server that does not start: reported, the next one runs)
-            runs[run_label] = f"error: {type(error).__name__}: {str(error)[:200]}"
-        write_report(args.out, "serving", report(args, label, data, runs), data)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        for name, dspark in variants:
+            run_label = f"{'tiny' if args.device == 'cpu' else 'slice'}, {name}" if args.dspark else label
+            try:
+                runs[run_label] = measure_server(model, tokenizer, args, run_label, prompts, dspark, clients)
+            except Exception as error:  # noqa: BLE001  (a server that does not start: reported, the next one runs)
+                runs[run_label] = f"error: {type(error).__name__}: {str(error)[:200]}"
+            write_report(args.out, "serving", report(args, label, data, runs), data)
 
 
 def report(args, label: str, data: dict, runs: dict) -> str:
@@ -547,7 +570,7 @@ def main() -> None:
     args.output_tokens = args.output_tokens or (256 if gpu else 32)
     if min(args.concurrency) < 1 or (args.requests_per_level is not None and args.requests_per_level < 1):
         parser.error("--concurrency and --requests-per-level take positive integers")
-    asyncio.run(benchmark(args))
+    benchmark(args)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,9 @@ def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
     from transformers_inkling2.engine.requests import SamplingParams, Sequence
     from transformers_inkling2.engine.sampling import next_tokens
 
-    prompt = [1] * prompt_tokens
+    # random tokens: a prompt of one repeated token would route every position to the same 8 experts
+    vocab = min(engine.text_config.vocab_size, 200_000)
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(3)).tolist()
     sequences = [Sequence(prompt, SamplingParams()) for _ in range(2)]
     for slot, sequence in enumerate(sequences):
         sequence.slot = slot
@@ -125,8 +127,8 @@ def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
     for slot, sequence in enumerate(engine.scheduler.running):
         sequence.slot, sequence.computed = slot, prompt_tokens
     span = engine.key_span(1)
-    for count in sorted({1, rows}):
-        ids = torch.zeros(count, 1, dtype=torch.long, device=engine.device)
+    for count in sorted({1, rows}):  # rows of different tokens (one token everywhere would read 8 experts a layer)
+        ids = torch.arange(count, device=engine.device)[:, None] * 7919 + 11
         positions = torch.full((count, 1), prompt_tokens, device=engine.device)
         engine.run_decode(ids, positions, span)
         pieces.append([f"decode forward, {count} rows (graph)", synchronized_ms(lambda: engine.run_decode(ids, positions, span))])  # fmt: skip

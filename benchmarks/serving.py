@@ -13,11 +13,11 @@ With `--dspark` the model is served twice, DSpark off then on (`--dspark` of `in
 the other, the same weights).
 
 The weights are random, and a random model writes no block token (`<|content_text|>`, `<|content_thinking|>`): the
-server's response parser would hold its text until the reply ends, and the client would get each reply as one chunk.
-So each request also gets a logits processor (`TextBlockReply`; `--unshaped` leaves it out) that makes the first
-generated token `<|content_text|>` and bans every special token after it: the reply is a text block streamed token by
-token up to `max_tokens`, as a real model's is (finish reason `length`). It costs a masked fill of the 60 special
-tokens' scores per step; under DSpark on a GPU a logits processor also keeps the draft out of CUDA graphs.
+server's response parser would hold its text (it could be a tool's name) and release it in 256-character pieces. So
+the model's replies are shaped (`TextBlockReplies`, a forward hook on the model; `--unshaped` leaves it out): after the
+generation prompt's `<|message_model|>` its only choice is `<|content_text|>`, and it never writes another special
+token, so every reply is a text block streamed token by token up to `max_tokens`, as a trained model's is (finish
+reason `length`, as with vLLM's `ignore_eos`).
 
 Each concurrency level (default 1, 4, 16, 64) keeps exactly C requests in flight (C client tasks, each sending its
 next request when its last one ends) until N requests were sent (default max(4, 2 C)). Every request is a chat
@@ -351,42 +351,32 @@ def metrics_delta(before: dict, after: dict) -> dict:
 # Servers
 
 
-class TextBlockReply:
-    """Shapes a random model's reply like a real one's (a logits processor added to every request; `--unshaped`
-    leaves it out): the first generated token is `<|content_text|>`, which opens a text block, and no special token
-    follows it, so the reply is text to `max_tokens` (finish reason `length`, as with vLLM's `ignore_eos`). Without it
-    a random model writes no block token, and the server's response parser holds text that is in no block until
-    the reply ends (it could be a tool's name), so the whole reply would reach the client as one chunk. Stateless
-    (it reads the prefix's length), so it holds under DSpark, which runs the processors once per verified
-    position."""
+class TextBlockReplies:
+    """The shaping of the module docstring, as a forward hook on the model: it rewrites the logits of every position
+    from its input token (inside the engine's CUDA graphs, and per verified position under DSpark). A hook rather
+    than a logits processor per request: a trained model writes its block tokens at no cost, while a request's own
+    processors are run row by row (2.3 ms of a 16-row step on the H200: `benchmarks/engine.py --breakdown`)."""
 
-    def __init__(self, tokenizer, prompt_length: int):
-        self.prompt_length = prompt_length
-        self.marker = tokenizer.convert_tokens_to_ids("<|content_text|>")
-        self.special = sorted({*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder})
-        self._index: torch.Tensor | None = None
+    def __init__(self, model, tokenizer):
+        device = model.get_input_embeddings().weight.device
+        self.after = tokenizer.convert_tokens_to_ids("<|message_model|>")
+        special = sorted({*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder})
+        self.special = torch.tensor(special, device=device)
+        text = model.config.get_text_config()
+        logits = min(text.vocab_size, text.unpadded_vocab_size)  # the logits are cut to the real tokens
+        self.opening = torch.full((logits,), float("-inf"), device=device)
+        self.opening[tokenizer.convert_tokens_to_ids("<|content_text|>")] = 0.0
+        self.handle = model.register_forward_hook(self, with_kwargs=True)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] <= self.prompt_length:
-            forced = torch.full_like(scores, float("-inf"))
-            forced[..., self.marker] = 0.0
-            return forced
-        if self._index is None or self._index.device != scores.device:
-            self._index = torch.tensor(self.special, device=scores.device)
-        return scores.index_fill(-1, self._index, float("-inf"))
-
-
-def shaped_runner(engine, tokenizer):
-    """`model_app`'s runner, with `TextBlockReply` in each job's logits processors."""
-    from transformers_inkling2.serving.worker import EngineRunner
-
-    class ShapedRunner(EngineRunner):
-        def add(self, job):
-            shaping = TextBlockReply(tokenizer, job.inputs["input_ids"].shape[-1])
-            job.logits_processors = [*job.logits_processors, shaping]
-            super().add(job)
-
-    return ShapedRunner(engine, tokenizer)
+    def __call__(self, module, args, kwargs, output):
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            return output
+        logits = output.logits
+        opens = (ids[:, -logits.shape[1] :] == self.after)[..., None]
+        banned = logits.index_fill(-1, self.special, float("-inf"))
+        output.logits = torch.where(opens, self.opening.to(logits.dtype), banned)
+        return output
 
 
 def build_model(device: str, dspark: bool):
@@ -418,13 +408,7 @@ def build_model(device: str, dspark: bool):
 def measure_server(model, tokenizer, args, label: str, prompts: Prompts, dspark: bool, clients) -> dict:
     """One server over `model`: warm-up, then every concurrency level driven from the client process `clients`;
     the server stops at the end."""
-    from transformers_inkling2.serving.server import (
-        Inkling2Server,
-        ServerSettings,
-        build_app,
-        build_engine,
-        model_app,
-    )
+    from transformers_inkling2.serving.server import Inkling2Server, ServerSettings, model_app
 
     most = max(args.concurrency)
     # room for the chat template and the instruction around the prompt
@@ -432,13 +416,7 @@ def measure_server(model, tokenizer, args, label: str, prompts: Prompts, dspark:
     settings = ServerSettings(model_id=MODEL_ID, port=0, max_waiting=max(64, most + 1),
                               max_connections=max(256, 2 * most + 8), max_num_seqs=max(64, most),
                               max_model_len=max_model_len, dspark=dspark)  # fmt: skip
-    if args.unshaped:
-        app = model_app(model, tokenizer, settings)
-    else:  # model_app with the shaping processor
-        positions = getattr(model.config, "text_config", model.config).max_position_embeddings
-        runner = shaped_runner(build_engine(model, settings, max_model_len), tokenizer)
-        app = build_app(tokenizer, runner, settings, None, positions)
-    server = Inkling2Server(app).start()
+    server = Inkling2Server(model_app(model, tokenizer, settings)).start()
 
     def level(texts: list[str], concurrency: int):
         job = (server.base_url, texts, concurrency, args.output_tokens, args.request_timeout)
@@ -521,6 +499,8 @@ def benchmark(args) -> None:
     tokenizer = transformers_inkling2.build_inkling2_tokenizer()
     prompts = Prompts(tokenizer, args.prompt_tokens, args.seed)
     model, label = build_model(args.device, args.dspark)
+    if not args.unshaped:
+        TextBlockReplies(model, tokenizer)
     runs: dict[str, dict | str] = {}
     data = {"environment": environment_line(args.device), "model": label, "args": vars(args), "runs": runs}
     variants = [("without DSpark", False)] + ([("with DSpark", True)] if args.dspark else [])
@@ -560,7 +540,7 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one whole request")
     parser.add_argument("--dspark", action="store_true", help="also serve with DSpark (a second server)")
     parser.add_argument("--unshaped", action="store_true", help="the random model's replies as they come (no "
-                        "TextBlockReply): each reply reaches the client as one chunk")  # fmt: skip
+                        "TextBlockReplies): the server releases their text in 256-character pieces")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="which documentation passages make the prompts")
     args = parser.parse_args()
     if args.device == "auto":

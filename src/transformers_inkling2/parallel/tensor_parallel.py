@@ -26,7 +26,11 @@ all-reduce at inference when the expert group shares the batch, all-to-all other
 See docs/parallel.md.
 
 Split tensors are DTensors whose local block is all a rank loads; the modules that read a per-head parameter or an
-expert tensor directly (not through a hooked `nn.Linear`) take that block with `local_tensor`.
+expert tensor directly (not through a hooked `nn.Linear`) take that block with `local_tensor`. The styles run
+before loading, on the meta device, and only make placeholders (nothing is built whole and then split):
+transformers' loader reads each rank's block straight from the safetensors file, so a rank reads its blocks and the
+replicated tensors, no more, and receives nothing from the other ranks while loading
+(tests/parallel/test_tensor_parallel_loading.py counts the bytes).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ safetensors' `load_file`, which reads the drafter's `mtp.safetensors`, our heade
 Its handles give out tensors only through reads that record, per stored tensor, the bytes they return (`slice[...]`,
 `get_tensor`, `get_tensors`; any other access raises, so no read escapes the count): the bytes copied out of the
 file, in their stored dtype, before any cast. That is what the loader asks the file for, not what the disk serves:
-with safetensors' default mmap backend the kernel pages in the 4 KiB pages under those bytes (and reads ahead), which
-at toy width, where a tensor spans a page or two, is every page of the file on every rank.
+with safetensors' default mmap backend the kernel pages in the 4 KiB pages under those bytes (and reads ahead), and
+at toy width, where a tensor spans a page or two, pages would say nothing about a rank's share.
 
 What a rank holds of a split tensor comes from its own reads or from another rank: every operation run while loading
 passes through a dispatch mode that adds up the bytes of the tensors handed to collectives (`c10d` and functional

@@ -1,15 +1,20 @@
-"""Run by `test_tensor_parallel.py` under `torchrun --nproc_per_node 2` (gloo, CPU): every rank loads the same tiny
-checkpoints split over the ranks and compares them with the single-process model loaded from the same files.
+"""Run by `test_tensor_parallel.py` under `torchrun --nproc_per_node N` (gloo, CPU; N = 2, 4 and 8): every rank
+loads the same tiny checkpoints split over the ranks and compares them with the single-process model loaded from the
+same files.
 
-Usage: torchrun --nproc_per_node 2 tests/parallel/tensor_parallel_worker.py CHECKPOINTS_DIR REPORT.json
+Usage: torchrun --nproc_per_node N tests/parallel/tensor_parallel_worker.py CHECKPOINTS_DIR REPORT.json [--all-checks]
 CHECKPOINTS_DIR holds `bf16/` (BF16 experts), `quantized/` (NVFP4 and MXFP8 experts) and `multimodal/` (the
-ViT in front). Rank 0 writes every rank's report; the test reads it.
+ViT in front). Every launch checks what depends on the number of ranks: what each rank holds, logits, greedy
+generation (plain, DSpark, static cache) and the bytes held. `--all-checks` (the TP2 launch) adds what the same code
+does at any size: transformers' expert-parallel route, training, a fast attention backend and the multimodal model's
+nested plan. Rank 0 writes every rank's report; the test reads it.
 """
 
+import argparse
 import json
 import os
-import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,6 +28,7 @@ from transformers_inkling2.parallel.tensor_parallel import local_tensor
 from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 
 NEW_TOKENS = 8
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # shorter than the test's launch timeout: a hang fails here, with its call
 
 
 def batch():
@@ -97,7 +103,11 @@ def layout(model) -> dict:
         "lm_head": local_shape(model.lm_head.weight),
         "embedding": local_shape(model.model.embed_tokens.weight),
         "router": local_shape(layers[0].mlp.gate.weight),
+        "experts_per_token": layers[0].mlp.gate.top_k,
         "experts": [experts.first_expert, experts.num_experts],
+        # every layer kind: sliding and full attention; BF16, or NVFP4 and MXFP8 experts
+        "attention_kinds": ["sliding" if layer.self_attn.is_sliding else "full" for layer in layers],
+        "expert_formats": [model.config.expert_format(i) for i in range(len(layers))],
         "expert_tensors": {name: local_shape(t) for name, t in [*experts.named_parameters(), *experts.named_buffers()]},
     }
     if isinstance(experts, Inkling2QuantizedExperts):
@@ -136,10 +146,27 @@ def gradient_error(split, reference) -> float:
     return max(errors)
 
 
-def check(name: str, folder: Path, report: dict, training: bool = False, attention_backend: str | None = None) -> None:
+def single_process_outputs(reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unsplit model's logits and greedy tokens, computed on rank 0 and sent to all: every rank compares with the
+    same outputs, and 8 ranks sharing 2 cores do not compute 8 copies."""
+    outputs = [(logits(reference), greedy(reference)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(outputs, src=0)
+    return outputs[0]
+
+
+def check(
+    name: str,
+    folder: Path,
+    report: dict,
+    all_checks: bool,
+    training: bool = False,
+    attention_backend: str | None = None,
+) -> None:
+    """The split model of one checkpoint against the single-process one; `training` and `attention_backend` are
+    size-independent checks, run with `all_checks` only."""
     reference = load(Inkling2ForCausalLM, folder)
     split = load(Inkling2ForCausalLM, folder, tp_plan="auto")
-    expected, expected_tokens = logits(reference), greedy(reference)
+    expected, expected_tokens = single_process_outputs(reference)
     tokens = greedy(split)
     result = {
         "layout": layout(split),
@@ -154,6 +181,13 @@ def check(name: str, folder: Path, report: dict, training: bool = False, attenti
     }
     if name == "bf16":  # what `inkling2 plan` counts: the model in BF16 (fp32-kept modules in fp32)
         result["held_bytes_bf16"] = held_bytes(load(Inkling2ForCausalLM, folder, tp_plan="auto", dtype=torch.bfloat16))
+    if all_checks:
+        check_at_any_size(result, folder, split, reference, expected, expected_tokens, training, attention_backend)
+    report[name] = result
+
+
+def check_at_any_size(result, folder, split, reference, expected, expected_tokens, training, attention_backend) -> None:
+    """What the same code does at any number of ranks once each holds its heads and experts (run at TP2 only)."""
     if training:  # without no_grad the projections go through transformers' DTensor path
         result["logits_with_grad_enabled"] = relative_error(logits(split, grad=True), expected)
         result["gradients"] = gradient_error(split, reference)
@@ -171,7 +205,6 @@ def check(name: str, folder: Path, report: dict, training: bool = False, attenti
     result["expert_parallel_greedy_equal"] = torch.equal(greedy(split_ep), expected_tokens)
     if training:
         result["expert_parallel_gradients"] = gradient_error(split_ep, reference)
-    report[name] = result
 
 
 def held_bytes(model) -> int:
@@ -190,21 +223,30 @@ def check_multimodal(folder: Path, report: dict) -> None:
     }
 
 
-def main(checkpoints: str, report_file: str) -> None:
+def main(checkpoints: Path, report_file: Path, all_checks: bool) -> None:
     torch.set_num_threads(1)
-    checkpoints, report = Path(checkpoints), {}
-    check("bf16", checkpoints / "bf16", report, training=True, attention_backend="inkling2_flex")
-    check("quantized", checkpoints / "quantized", report)
-    check_multimodal(checkpoints / "multimodal", report)
+    # before transformers' loader would, with its timeout of 2 hours: ranks that share 2 CI cores wait on each other
+    # for a while, but a hang must fail within the test's launch timeout
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    report = {}
+    check("bf16", checkpoints / "bf16", report, all_checks, training=True, attention_backend="inkling2_flex")
+    check("quantized", checkpoints / "quantized", report, all_checks)
+    if all_checks:
+        check_multimodal(checkpoints / "multimodal", report)
     report["world_size"] = dist.get_world_size()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     if dist.get_rank() == 0:
-        Path(report_file).write_text(json.dumps(gathered, indent=1))
+        report_file.write_text(json.dumps(gathered, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoints", type=Path)
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--all-checks", action="store_true", help="also the size-independent checks (TP2)")
+    arguments = parser.parse_args()
+    main(arguments.checkpoints, arguments.report, arguments.all_checks)

@@ -1,4 +1,5 @@
-"""Public ops: CUDA tensors go to the Triton kernels, everything else to the PyTorch references."""
+"""Public ops: CUDA tensors go to the Triton kernels (NVFP4 / MXFP8 from compute capability 8.9 on), everything
+else to the PyTorch references."""
 
 from __future__ import annotations
 
@@ -36,17 +37,26 @@ def _register_kernels():
     return register_kernels
 
 
-@functools.lru_cache(maxsize=None)
-def _register_gemv_supported(device: torch.device) -> bool:
-    """The Gluon register-GEMV kernels need mma.sync with E4M3 conversions (compute capability >= 8.9, CUDA)
-    and Triton's Gluon; there is no interpreter for them."""
-    if _interpreting() or torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9):
-        return False
+def _e4m3_conversions(device: torch.device) -> bool:
+    """Whether the GPU converts E4M3 in hardware (`cvt.rn.f16x2.e4m3x2`, Triton's `float8e4nv`): NVIDIA compute
+    capability >= 8.9 (Ada, Hopper, Blackwell). Every NVFP4 / MXFP8 kernel decodes through it; below (A100: 8.0)
+    Triton refuses `float8e4nv` and ptxas the conversion, so those formats run the reference there."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _gluon_available() -> bool:
     try:
         _register_kernels()
     except ImportError:
         return False
     return True
+
+
+def _register_gemv_supported(device: torch.device) -> bool:
+    """The Gluon register-GEMV kernels need mma.sync (any GPU from compute capability 8.0, Blackwell included) with
+    E4M3 conversions, and Triton's Gluon; there is no interpreter for them."""
+    return not _interpreting() and _e4m3_conversions(device) and _gluon_available()
 
 
 # 128 bytes of a weight row per step (register_kernels' STEP_BYTES and `_step_inputs`), known here without Gluon
@@ -351,8 +361,8 @@ def moe_forward(
         config: override the tile shape (:func:`pick_config` otherwise).
         out: optional bf16 ``[T, H]`` destination (a static buffer for CUDA graphs).
 
-    CUDA tensors run the Triton kernels (no host sync, deterministic, graph-capturable); other devices
-    run :func:`moe_forward_reference`.
+    CUDA tensors run the Triton kernels (no host sync, deterministic, graph-capturable); other devices, and
+    NVFP4 / MXFP8 on GPUs without E4M3 conversions (compute capability < 8.9), run :func:`moe_forward_reference`.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
@@ -360,7 +370,7 @@ def moe_forward(
         raise ValueError(f"{fmt} needs w13_scale and w2_scale")
     if fmt == "nvfp4" and (w13_outer is None or w2_outer is None):
         raise ValueError("nvfp4 needs w13_outer and w2_outer (fp32 multipliers per expert)")
-    if x.is_cuda:
+    if x.is_cuda and (fmt == "bf16" or _e4m3_conversions(x.device)):
         return _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale, w2_scale,
                                    w13_outer, w2_outer, gate_cap, up_cap, routing, config, out)
     result = moe_forward_reference(

@@ -1,0 +1,334 @@
+"""Every Triton and Gluon kernel of the package and of the `inkling2_moe` hub kernel, compiled for Hopper (sm_90a) and
+Blackwell (sm_100a) on this CPU, at the specializations the dispatch launches; and what the dispatch picks on each GPU
+generation, the device capability mocked.
+
+How: the real host code (the hub kernel's `moe_forward`, the attention backends, the prompt convolution) runs on CPU
+tensors of Inkling-2-Small's sizes that report `is_cuda`, with `torch.cuda.get_device_capability` answering the mocked
+capability; Triton's launches are recorded instead of run. Each recorded launch then goes through Triton's own launch
+path in warm-up mode against an offline driver that names the target, so Triton specializes it exactly as on that GPU
+and its bundled LLVM and ptxas build the cubin (`triton.compile` needs no GPU, only a target). Expert weights of the
+model's size lie on sparse files: the host code only passes their pointers and strides, nothing is read or committed.
+
+`pytest -s` prints the counts and the MMA instructions per target (docs/kernels.md, "Blackwell").
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from transformers_inkling2 import Inkling2TextConfig  # noqa: E402
+from transformers_inkling2.backends.attention import prefill_kernel  # noqa: E402
+from transformers_inkling2.backends.attention.flex import (  # noqa: E402
+    inkling2_decode_attention,
+    inkling2_triton_attention,
+)
+from transformers_inkling2.backends.attention.relative_logits import aligned_product  # noqa: E402
+from transformers_inkling2.backends.convolution import fused_prompt_convolution  # noqa: E402
+from transformers_inkling2.backends.kernel_loading import CHECKOUT_KERNEL, moe_kernel  # noqa: E402
+
+MODEL = Inkling2TextConfig()  # the defaults are Inkling-2-Small's sizes
+HOPPER, BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL, AMPERE = (9, 0), (10, 0), (10, 3), (12, 0), (8, 0)
+COMPILED_ON = {90: HOPPER, 100: BLACKWELL}  # target -> the capability whose launches are compiled for it
+MOE_TOKENS = (1, 8, 64, 2048, 8192)  # decode, a verification batch, many users, prefill chunks (pick_config's ranges)
+PROMPT_TOKENS = 512
+PACKAGE_SOURCES = Path(prefill_kernel.__file__).resolve().parents[2]  # src/transformers_inkling2/
+KERNEL_DEFINITION = re.compile(r"^@(?:triton|gluon)\.jit\b.*\n(?:@.*\n)*def (\w+_kernel)\(", re.MULTILINE)
+MMA = re.compile(r"\b(wgmma\.mma_async|tcgen05\.mma|mma\.sync)\b")
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    grid: tuple
+    options: dict
+
+    @property
+    def name(self) -> str:
+        return kernel_name(self.kernel)
+
+
+def kernel_name(kernel: JITFunction) -> str:
+    """`module.function`, the module without its package (the hub kernel's package name carries a build digest)."""
+    return f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}"
+
+
+class OfflineDriver:
+    """What Triton's launch path asks the active driver for, answered for a GPU that is not here: compiles only."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return ("offline", self.target.arch)  # the key of the kernels' per-device compile caches
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+@contextlib.contextmanager
+def on_gpu(capability: tuple[int, int]):
+    """Host code inside sees CUDA tensors on a GPU of `capability`; the Triton / Gluon launches it makes are recorded
+    (yielded list), not run."""
+    launches = []
+
+    def record(kernel, *args, grid, warmup, **options):
+        launches.append(Launch(kernel, args, grid, options))
+
+    with (
+        mock.patch.object(JITFunction, "run", record),
+        mock.patch("torch.cuda.get_device_capability", return_value=capability),
+        mock.patch.object(torch.Tensor, "is_cuda", property(lambda tensor: True)),
+    ):
+        yield launches
+
+
+def compile_for(arch: int, launches: list[Launch]) -> dict[str, list]:
+    """Each launch compiled for `arch` through Triton's launch path (warm-up: no launch), two at a time; returns the
+    compiled kernels (cubin and all) by kernel name, one per specialization."""
+    with (
+        mock.patch.object(driver, "_active", OfflineDriver(arch)),
+        ThreadPoolExecutor(min(2, os.cpu_count() or 1)) as threads,
+        triton.AsyncCompileMode(threads),
+    ):
+        for launch in launches:
+            launch.kernel.run(*launch.args, grid=launch.grid, warmup=True, **launch.options)
+    compiled = collections.defaultdict(list)
+    for kernel in {id(launch.kernel): launch.kernel for launch in launches}.values():
+        compiled[kernel_name(kernel)] += kernel.device_caches[("offline", arch)][0].values()
+    return compiled
+
+
+# --- the model's calls, at its sizes --------------------------------------------------------------------------------
+
+
+def sparse_tensor(folder: Path, shape, dtype) -> torch.Tensor:
+    """A tensor on a sparse file of its size: pointers and strides of a real one, no memory."""
+    path = folder / f"{len(os.listdir(folder))}.bin"
+    size = math.prod(shape) * dtype.itemsize
+    with open(path, "wb") as file:
+        file.truncate(size)
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def expert_weights(folder: Path) -> dict[str, dict]:
+    """`moe_forward`'s weight arguments per format, in the checkpoint's layouts (docs/quantization.md)."""
+    experts, hidden, inter = MODEL.n_routed_experts, MODEL.hidden_size, MODEL.moe_intermediate_size
+
+    def pair(dtype, packing=1):
+        return dict(w13=sparse_tensor(folder, (experts, 2 * inter, hidden // packing), dtype),
+                    w2=sparse_tensor(folder, (experts, hidden, inter // packing), dtype))  # fmt: skip
+
+    def scales(dtype, block):
+        return {f"{name}_scale": sparse_tensor(folder, (*weight.shape[:2], weight.shape[2] // block), dtype)
+                for name, weight in (("w13", bf16["w13"]), ("w2", bf16["w2"]))}  # fmt: skip
+
+    bf16 = pair(torch.bfloat16)
+    outer = dict(w13_outer=torch.ones(experts, 2), w2_outer=torch.ones(experts))
+    return {
+        "bf16": dict(fmt="bf16", **bf16),
+        "mxfp8": dict(fmt="mxfp8", **pair(torch.float8_e4m3fn), **scales(torch.uint8, 32)),
+        "nvfp4": dict(fmt="nvfp4", **pair(torch.uint8, packing=2), **scales(torch.float8_e4m3fn, 16), **outer),
+    }
+
+
+@functools.cache
+def routed_tokens(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, expert ids (top-k of random scores) and routing weights of `tokens` tokens (made once: every recording
+    reads them)."""
+    scores = torch.rand(tokens, MODEL.n_routed_experts, generator=torch.Generator().manual_seed(tokens))
+    ids = scores.topk(MODEL.num_experts_per_tok).indices
+    weights = torch.full(ids.shape, 1 / MODEL.num_experts_per_tok)
+    return torch.empty(tokens, MODEL.hidden_size, dtype=torch.bfloat16), ids, weights
+
+
+def routed_experts_calls(weights: dict[str, dict]) -> None:
+    """The model's expert calls (`inkling2::routed_experts` -> `moe_forward`) at the batch sizes where `pick_config`
+    changes its choice, every format; and, so that every kernel compiles, split K (`KernelConfig.split_k`) in both
+    kernel families."""
+    moe = moe_kernel()
+    for tokens in MOE_TOKENS:
+        x, ids, routing_weights = routed_tokens(tokens)
+        for fmt_weights in weights.values():
+            moe.moe_forward(x, ids, routing_weights, **fmt_weights)
+        if tokens == 8:
+            for fmt, register in (("mxfp8", False), ("nvfp4", True)):
+                config = moe.pick_config(ids.numel(), MODEL.n_routed_experts, fmt, register_gemv=register)
+                moe.moe_forward(x, ids, routing_weights, **weights[fmt], config=dataclasses.replace(config, split_k=2))
+
+
+@functools.cache
+def attention_inputs(queries: int, keys: int, *, padded: bool = False, prompt: bool = False) -> dict:
+    """One layer's attention inputs at the model's head counts, bf16; prompts' relative logits in the layout the model
+    writes for them (`aligned_product`). Made once (a bf16 product on the CPU takes seconds); never changed."""
+    heads, kv_heads, dim = MODEL.num_attention_heads, MODEL.num_key_value_heads, MODEL.head_dim
+    states = torch.zeros(1, heads, queries, MODEL.d_rel, dtype=torch.bfloat16)
+    projection = torch.zeros(MODEL.d_rel, MODEL.rel_extent, dtype=torch.bfloat16)
+    return dict(
+        query=torch.empty(1, heads, queries, dim, dtype=torch.bfloat16),
+        key=torch.empty(1, kv_heads, keys, dim, dtype=torch.bfloat16),
+        value=torch.empty(1, kv_heads, keys, dim, dtype=torch.bfloat16),
+        relative_logits=aligned_product(states, projection) if prompt else states @ projection,
+        sinks=torch.empty(1, heads, queries, dtype=torch.bfloat16),
+        query_positions=torch.arange(keys - queries, keys),
+        key_positions=torch.arange(keys),
+        key_padding=torch.ones(1, keys, dtype=torch.bool) if padded else None,
+        scaling=MODEL.head_dim**-0.5,
+    )
+
+
+def attention_calls() -> None:
+    """A prompt chunk through both layer kinds (`inkling2_triton_attention`), and the decode kernel as the caches
+    call it: the static cache's sliding ring (with its key mask), a full layer's keys, the engine's pages, a DSpark
+    verification step of 8 queries."""
+    for window in (MODEL.sliding_window, None):
+        inkling2_triton_attention(**attention_inputs(PROMPT_TOKENS, PROMPT_TOKENS, prompt=True), sliding_window=window)
+    ring = MODEL.sliding_window - 1 + 8  # sliding_window - 1 + MAX_STEP_TOKENS slots
+    inkling2_decode_attention(**attention_inputs(1, ring, padded=True), sliding_window=MODEL.sliding_window)
+    inkling2_decode_attention(**attention_inputs(1, 4096), sliding_window=None)
+    inkling2_decode_attention(**attention_inputs(8, ring, padded=True), sliding_window=MODEL.sliding_window)
+    pages = torch.arange(16, dtype=torch.int32)[None]  # a row's pages in a pool of one 256-key page (never read)
+    paged = dict(attention_inputs(1, 256), key_positions=torch.arange(16 * 256), query_positions=torch.tensor([4000]))
+    inkling2_decode_attention(**paged, sliding_window=None, block_table=pages, page_size=256)
+
+
+def convolution_calls() -> None:
+    """A prompt's short convolutions over the key/value width and the hidden width, the context time-major as the
+    cache joins it."""
+    kernel_size = MODEL.conv_kernel_size
+    for channels in (MODEL.num_key_value_heads * MODEL.head_dim, MODEL.hidden_size):
+        context = torch.empty(1, PROMPT_TOKENS + kernel_size - 1, channels).transpose(1, 2)
+        x = torch.empty(1, PROMPT_TOKENS, channels, dtype=torch.bfloat16)
+        fused_prompt_convolution(context, x, torch.empty(channels, 1, kernel_size), math.sqrt(kernel_size + 1))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict[tuple[int, int], tuple[list[Launch], set[str]]]:
+    """Per GPU generation, for the model's calls: the kernel launches, and the expert formats that took the hub
+    kernel's PyTorch reference (stubbed: on sparse weights it would read gigabytes of zeros)."""
+    weights = expert_weights(tmp_path_factory.mktemp("experts"))
+    result = {}
+    for capability in (AMPERE, HOPPER, BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL):
+        reference = mock.Mock(side_effect=lambda x, *args, **kwargs: torch.empty_like(x))
+        with on_gpu(capability) as launches, mock.patch.object(moe_kernel().ops, "moe_forward_reference", reference):
+            routed_experts_calls(weights)
+            attention_calls()
+            convolution_calls()
+        result[capability] = launches, {call.args[5] for call in reference.call_args_list}
+    return result
+
+
+@pytest.fixture(scope="module")
+def launches(recorded) -> dict[tuple[int, int], list[Launch]]:
+    return {capability: launches for capability, (launches, _) in recorded.items()}
+
+
+@pytest.fixture(scope="module")
+def compiled(launches):
+    """`compiled(arch)`: the kernels compiled for a target of COMPILED_ON, compiled on first use."""
+    return functools.cache(lambda arch: compile_for(arch, launches[COMPILED_ON[arch]]))
+
+
+def every_kernel() -> set[str]:
+    """`module.function` of every kernel (a `*_kernel` function under `triton.jit` / `gluon.jit`) in the package's and
+    the hub kernel's sources, read from the files: a kernel added anywhere there is expected here."""
+    sources = [*PACKAGE_SOURCES.rglob("*.py"), *(CHECKOUT_KERNEL / "torch-ext").rglob("*.py")]
+    return {f"{path.stem}.{name}" for path in sources for name in KERNEL_DEFINITION.findall(path.read_text())}
+
+
+def hopper_only(compiled_for_hopper: dict[str, list], launches: list[Launch]) -> set[str]:
+    """Gluon kernels whose sm_90a code holds wgmma: Gluon fixes the MMA instruction in the source (Triton kernels are
+    lowered again for each target), and wgmma exists only on sm_90a."""
+    gluon = {launch.name for launch in launches if launch.kernel.is_gluon()}
+    return {name for name in gluon if any("wgmma" in kernel.asm["ptx"] for kernel in compiled_for_hopper[name])}
+
+
+def names(launches: list[Launch]) -> set[str]:
+    return {launch.name for launch in launches}
+
+
+def signature(launches: list[Launch]) -> set[tuple]:
+    """What a list of launches compiles to, target aside: kernel and constexpr / option values."""
+    return {(launch.name, tuple(sorted((key, repr(value)) for key, value in launch.options.items())))
+            for launch in launches}  # fmt: skip
+
+
+# --- tests ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", sorted(COMPILED_ON))
+def test_every_kernel_compiles_to_a_cubin_for_hopper_and_blackwell(compiled, launches, arch):
+    hopper = hopper_only(compiled(90), launches[HOPPER]) if arch != 90 else set()
+    assert not hopper & names(launches[COMPILED_ON[arch]])  # checked first: LLVM aborts on wgmma for other targets
+    kernels = compiled(arch)
+    assert set(kernels) == every_kernel() - hopper
+    assert all(kernel.asm["cubin"] for specializations in kernels.values() for kernel in specializations)
+    target = f"sm_{arch}a"
+    assert all(f".target {target}" in k.asm["ptx"] for specializations in kernels.values() for k in specializations)
+    count = sum(map(len, kernels.values()))
+    mma = collections.Counter(m for ks in kernels.values() for k in ks for m in set(MMA.findall(k.asm["ptx"])))
+    print(f"\n{target}: {len(kernels)} kernels, {count} specializations compiled to cubin; MMA kinds: {dict(mma)}")
+    for name in sorted(kernels):
+        print(f"  {name}: {len(kernels[name])}")
+
+
+def test_hopper_only_kernels_run_on_hopper_and_never_on_blackwell(compiled, launches):
+    hopper = hopper_only(compiled(90), launches[HOPPER])
+    assert hopper == {"prefill_gluon._sliding_prefill_kernel"}
+    assert hopper <= names(launches[HOPPER])  # the check below is not vacuous
+    for capability in (BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL, AMPERE):
+        assert not hopper & names(launches[capability]), capability
+
+
+def test_blackwell_generations_launch_the_same_kernels_as_b200(launches):
+    """B300 / GB300 (10.3) and RTX Blackwell (12.0) take exactly what the compiled B200 (10.0) set holds."""
+    for capability in (BLACKWELL_ULTRA, RTX_BLACKWELL):
+        assert signature(launches[capability]) == signature(launches[BLACKWELL]), capability
+
+
+def test_blackwell_takes_the_register_kernels_and_the_triton_prefill(launches):
+    """The decode GEMMs of NVFP4 / MXFP8 in Gluon (mma.sync, compiled above for sm_100a), and sliding prompts through
+    the Triton prefill kernel, which Hopper replaces by its Gluon one."""
+    register_kernels = {"register_kernels._gate_up_kernel", "register_kernels._down_kernel"}
+    assert register_kernels <= names(launches[BLACKWELL]) & names(launches[HOPPER])
+
+    def prefill_windows(capability):
+        return {launch.options["HAS_WINDOW"] for launch in launches[capability]
+                if launch.name == "prefill_kernel._prefill_kernel"}  # fmt: skip
+
+    assert prefill_windows(BLACKWELL) == {True, False} and prefill_windows(HOPPER) == {False}
+
+
+def test_only_ampere_runs_quantized_experts_through_the_reference(recorded):
+    """A100 (8.0) has no E4M3 conversions, which every NVFP4 / MXFP8 kernel decodes through: those formats take the
+    PyTorch reference there (no Triton / Gluon launch of theirs), BF16 experts and attention the Triton kernels. From
+    8.9 on, every format runs the kernels."""
+    ampere, to_reference = recorded[AMPERE]
+    assert to_reference == {"mxfp8", "nvfp4"}
+    assert not any(launch.name.startswith("register_kernels.") for launch in ampere)
+    assert {launch.options["FMT"] for launch in ampere if launch.name == "triton_kernels._gate_up_kernel"} == {0}
+    assert {"prefill_kernel._prefill_kernel", "decode_kernel._decode_partial_kernel"} <= names(ampere)
+    for capability in (HOPPER, BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL):
+        assert recorded[capability][1] == set(), capability

@@ -11,8 +11,8 @@ at once (random prompts of --prompt-tokens, greedy, --output-tokens each) and st
 - decode step ms: the mean wall time of steps that only decoded (no prompt chunk), i.e. at C rows.
 A warm-up level runs first with the same shapes (CUDA graphs captured there).
 
-`--breakdown` (GPU) then times the pieces of a step apart, each synchronized: a prompt chunk of one row and of two
-rows one after the other, the decode forward (graph replay) at 1 and at the most rows, and choosing the rows' next
+`--breakdown` (GPU) then times the pieces of a step apart, each synchronized: a prompt chunk of one row, of two
+rows one after the other and of two rows side by side, the decode forward (graph replay) at 1 and at the most rows, and choosing the rows' next
 tokens greedy without processors and with a logits processor per row (as the serving benchmark's shaping one); and
 writes the profiler's top kernels of one prompt chunk.
 
@@ -119,10 +119,12 @@ def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
 
     def chunks(count):
         for sequence in sequences[:count]:
-            engine._prefill(sequence, 0, prompt_tokens)
+            engine._prefill([sequence], 0, prompt_tokens)
 
     pieces = [[f"prompt chunk, 1 row x {prompt_tokens}", synchronized_ms(lambda: chunks(1))],
-              [f"prompt chunks, 2 rows x {prompt_tokens}, one after the other", synchronized_ms(lambda: chunks(2))]]  # fmt: skip
+              [f"prompt chunks, 2 rows x {prompt_tokens}, one after the other", synchronized_ms(lambda: chunks(2))],
+              [f"prompt chunk, 2 rows x {prompt_tokens} side by side",
+               synchronized_ms(lambda: engine._prefill(sequences, 0, prompt_tokens))]]  # fmt: skip
     engine.scheduler.running = [Sequence(prompt, SamplingParams()) for _ in range(rows)]
     for slot, sequence in enumerate(engine.scheduler.running):
         sequence.slot, sequence.computed = slot, prompt_tokens

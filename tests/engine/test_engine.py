@@ -186,22 +186,57 @@ def test_dspark_seeded_sampling_ignores_its_neighbours(drafting_model):
     assert together[0] == by_itself[0] and len(by_itself[0]) == 16
 
 
+def chunk_rows(engine, monkeypatch) -> list[int]:
+    """The rows of every prompt chunk `engine` runs from now on."""
+    rows, original = [], engine._prefill
+
+    def recording(group, first, end):
+        rows.append(len(group))
+        return original(group, first, end)
+
+    monkeypatch.setattr(engine, "_prefill", recording)
+    return rows
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_requests_admitted_together_prefill_side_by_side(drafting_model, dspark, monkeypatch):
+    """Neighbouring rows at the same position share a chunk (one forward); each still gets what it gets alone."""
+    requests = prompts(17, [30, 30, 30, 12, 30])
+    engine = engine_for(drafting_model, max_num_seqs=4, max_step_tokens=48, dspark=dspark)
+    rows = chunk_rows(engine, monkeypatch)
+    outputs = engine.generate(requests, SamplingParams(max_new_tokens=9))
+    assert outputs == [alone(drafting_model, p, 9, do_sample=False) for p in requests]
+    assert rows[0] == 4 and max(rows[1:]) == 3  # 4 rows x 12 tokens (48 as 2 x 24, but more rows), then 3
+
+
+def test_the_next_chunk_takes_the_most_tokens_and_then_the_most_rows():
+    group = [scheduler.Sequence([1] * n, SamplingParams()) for n in (30, 30, 12, 5)]
+    assert scheduler.side_by_side(group, 48) == (2, 24)  # 48 tokens; 1 x 30, 3 x 12 and 4 x 5 take fewer
+    assert scheduler.side_by_side(group, 60) == (2, 30)
+    assert scheduler.side_by_side(group, 7) == (1, 7)
+    assert scheduler.side_by_side(group[:2], 24) == (2, 12)  # a tie with 1 x 24: fewer forwards
+
+
 def test_images_in_prompts(monkeypatch):
+    """A prompt with an image beside a text prompt of the same length: side by side, from their embeddings."""
     model = randomize_(Inkling2ForConditionalGeneration(Inkling2Config(**MULTIMODAL_CONFIG)), seed=4).eval()
     pixel_values, grid = images((2, 2), seed=1)
-    with_image = prompts(12, [24])[0]
+    with_image, text_only = prompts(12, [24, 24])
     with_image[5:9] = [IMAGE_TOKEN] * 4
-    text_only = prompts(13, [15])[0]
     image_inputs = dict(pixel_values=pixel_values, image_grid_thw=grid)
     expected = model.generate(
         torch.tensor([with_image]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
         **image_inputs,
     )[0, 24:].tolist()  # fmt: skip
     engine = engine_for(model)
+    rows = chunk_rows(engine, monkeypatch)
     image_request = engine.add_request(with_image, SamplingParams(max_new_tokens=10), image_inputs=image_inputs)
-    engine.add_request(text_only, SamplingParams(max_new_tokens=10))
-    outputs = [o for o in engine.stream() if o.request_id == image_request]
-    assert [t for o in outputs for t in o.new_token_ids] == expected
+    text_request = engine.add_request(text_only, SamplingParams(max_new_tokens=10))
+    outputs = list(engine.stream())
+    assert [t for o in outputs if o.request_id == image_request for t in o.new_token_ids] == expected
+    text = [t for o in outputs if o.request_id == text_request for t in o.new_token_ids]
+    assert text == alone(model, text_only, 10, do_sample=False)
+    assert rows[0] == 2
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ tokens in flight.
   per row and drafter layer.
 
 Rows are the engine's sequence slots. A forward covers a contiguous block of rows (`use_rows`): a decode step every
-occupied row (positions [rows, tokens], each row at its own length), a prompt chunk one row (positions [tokens]).
+occupied row (positions [rows, tokens], each row at its own length), a prompt chunk one or more rows at the same
+positions (positions [tokens]: rows admitted together prefill side by side, reading the expert weights once).
 Slots that hold no token yet claim positions far before 0 (`EMPTY_POSITION`), never visible and never "held".
 Taking tokens back (a rejected speculative draft) costs nothing here: the engine lowers the row's length, and the
 slots of the dropped tokens hold positions after every later query until a later step overwrites them before it
@@ -98,14 +99,12 @@ def pages_that_fit(
 
 class RowStep:
     """The index arithmetic of one forward over a block of rows, done once for every layer (`begin_step`).
-    `positions` [rows, tokens]; `prompt` says whether they came 1-D (one row's prompt chunk: its attention takes the
-    usual contiguous path)."""
+    `positions` [rows, tokens]; `prompt` says whether they came 1-D (a prompt chunk at the same positions in every
+    row: its attention takes the usual contiguous path)."""
 
     def __init__(self, cache: Inkling2PagedCache, positions: torch.Tensor):
         self.prompt = positions.dim() == 1
         rows = cache.rows.stop - cache.rows.start
-        if self.prompt and rows != 1:
-            raise ValueError(f"A prompt chunk (1-D positions) covers one row; `use_rows` gave {rows}.")
         self.positions = positions.view(-1, positions.shape[-1]).expand(rows, -1)
         self._ring_slots: dict[int, torch.Tensor] = {}
         tokens = self.positions.shape[1]
@@ -223,7 +222,8 @@ class Inkling2PagedCache:
         """The drafter's context keys/values ([rows, kv_heads, tokens, dim] per drafter layer) of the current rows'
         positions [rows, tokens]: the last `context_capacity` of them, at slot = position mod capacity."""
         capacity = self.context_capacity
-        positions = positions.view(-1, positions.shape[-1])[:, -capacity:]
+        rows = self.rows.stop - self.rows.start
+        positions = positions.view(-1, positions.shape[-1])[:, -capacity:].expand(rows, -1)
         slots = positions.remainder(capacity)
         for i, (keys, values) in enumerate(layer_keys_values):
             if self.context_keys[i] is None:
@@ -270,7 +270,7 @@ class Inkling2PagedCache:
         key_positions = torch.arange(self.key_span, device=keys.device)
         if not step.prompt:  # the decode path reads the pages where they are
             return *pools, key_positions, None, False, block_table
-        # a prompt chunk takes the usual contiguous path: its row's pages gathered in order
+        # a prompt chunk takes the usual contiguous path: its rows' pages gathered in order
         keys, values = (gather_pages(pool, block_table) for pool in pools)
         return keys, values, key_positions, None, True, None
 
@@ -282,16 +282,16 @@ class Inkling2PagedCache:
         ring_keys, ring_values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
         slot_positions = self.slot_positions[layer_idx][self.rows]
         slots = step.ring_slots(capacity)
-        if step.prompt:  # one row's chunk: the keys its window still reaches in position order, then the new ones
+        if step.prompt:  # the rows' chunks: the keys their window still reaches in position order, then the new ones
             first = step.positions[0, 0]
             held = torch.arange(self.history, device=keys.device) + first - self.history
             order = held.remainder(capacity)
-            is_held = slot_positions[0].index_select(0, order) == held  # False before the sequence start
+            is_held = slot_positions.index_select(1, order) == held  # False before a sequence's start
             attend = (
                 torch.cat([ring_keys.index_select(2, order), keys], dim=2),
                 torch.cat([ring_values.index_select(2, order), values], dim=2),
                 torch.cat([held, step.positions[0]]),
-                torch.cat([is_held[None], is_held.new_ones(1, keys.shape[2])], dim=1),
+                torch.cat([is_held, is_held.new_ones(is_held.shape[0], keys.shape[2])], dim=1),
                 True,
                 None,
             )

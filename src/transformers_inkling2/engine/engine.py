@@ -7,7 +7,8 @@ Each `step()`:
    a CUDA graph per (row bucket, key span bucket) on GPUs. Rows that are still prefilling, and the padding rows of
    the bucket, ride along with a dummy token at their next position: whatever they write there is overwritten by
    their next real step before anything reads it (the same argument as a rejected draft's slots);
-3. one forward per prompt chunk (eager, one row), the last chunk's logits giving the request's first token;
+3. one forward per prompt chunk (eager; neighbouring rows at the same position side by side), the last chunk's
+   logits giving the request's first token;
 4. every row's token is chosen with its own parameters (`sampling.py`); finished rows free their place at once.
 
 With `dspark=True` the decode forward verifies a DSpark draft per row (`drafting.py`), and rows accept different
@@ -36,6 +37,7 @@ from .scheduler import Scheduler
 DEFAULT_MAX_MODEL_LEN = 32_768
 # (first, end) token ranges of the prompt chunks `warm_up` runs
 WARM_UP_CHUNKS = ((0, 97), (0, 64), (64, 161), (161, 164), (164, 1201), (1201, 1203))
+WARM_UP_PREFILL_ROWS = (2, 16)  # rows of the side-by-side prompt chunks `warm_up` runs (beside one row's)
 RESERVE_SHARE = 0.05  # of the free memory, left for CUDA graphs and the allocator when pages are sized automatically
 
 
@@ -184,14 +186,15 @@ class Inkling2Engine:
             else:
                 new_tokens.update(self.drafter.step(self, plan.decode))
         sampled_rows, last_logits = [], []
-        for sequence, first, end in plan.prefill:
-            logits = self._prefill(sequence, first, end)
+        for group, first, end in plan.prefill:
+            logits = self._prefill(group, first, end)
             if self.drafter is not None:  # the drafter's context of the chunk (its last positions)
                 logits, hidden_states = logits
                 self.drafter.remember(hidden_states, torch.arange(first, end, device=self.device))
-            if end == len(sequence.tokens):
-                sampled_rows.append(sequence)
-                last_logits.append(logits)
+            for row, sequence in enumerate(group):
+                if end == len(sequence.tokens):
+                    sampled_rows.append(sequence)
+                    last_logits.append(logits[row : row + 1])
         if sampled_rows:
             firsts = next_tokens(sampled_rows, torch.cat(last_logits))
             new_tokens.update({s.request_id: [t] for s, t in zip(sampled_rows, firsts)})
@@ -229,21 +232,16 @@ class Inkling2Engine:
 
     # --- forwards -------------------------------------------------------------------------------------------------
 
-    def _prefill(self, sequence: Sequence, first: int, end: int):
-        """One prompt chunk of one row; returns its last logits [1, vocab] (and, with DSpark, the hidden states)."""
+    def _prefill(self, group: list[Sequence], first: int, end: int):
+        """Positions `first .. end - 1` of every row of `group` (neighbouring slots) in one forward; returns their
+        last logits [rows, vocab] (and, with DSpark, the hidden states)."""
         hidden_states = self.drafter is not None
         page = self.cache.page_size
-        self.cache.use_rows(sequence.slot, sequence.slot + 1, math.ceil(end / page) * page)
-        inputs = {}
-        prompt_part = min(end, len(sequence.prompt_ids)) if sequence.prompt_embeddings is not None else first
-        if prompt_part > first:  # the prompt's own embeddings (images placed), then the generated tokens'
-            embeddings = sequence.prompt_embeddings[first:prompt_part]
-            if end > prompt_part:
-                ids = to_device(sequence.tokens[prompt_part:end], self.device)
-                embeddings = torch.cat([embeddings, self.model.get_input_embeddings()(ids)])
-            inputs["inputs_embeds"] = embeddings[None]
+        self.cache.use_rows(group[0].slot, group[-1].slot + 1, math.ceil(end / page) * page)
+        if any(s.prompt_embeddings is not None and first < len(s.prompt_ids) for s in group):
+            inputs = {"inputs_embeds": torch.stack([self._chunk_embeddings(s, first, end) for s in group])}
         else:
-            inputs["input_ids"] = to_device([sequence.tokens[first:end]], self.device)
+            inputs = {"input_ids": to_device([s.tokens[first:end] for s in group], self.device)}
         output = self.model(
             **inputs,
             cache_position=torch.arange(first, end, device=self.device),
@@ -253,8 +251,21 @@ class Inkling2Engine:
             prefill_chunk_size=end - first,
             output_hidden_states=hidden_states,
         )
-        sequence.computed = end
+        for sequence in group:
+            sequence.computed = end
         return (output.logits[:, -1], output.hidden_states) if hidden_states else output.logits[:, -1]
+
+    def _chunk_embeddings(self, sequence: Sequence, first: int, end: int) -> torch.Tensor:
+        """[end - first, hidden]: the prompt's own embeddings (images placed) where the chunk covers the prompt, then
+        the generated tokens' (a sequence run again after preemption)."""
+        embed = self.model.get_input_embeddings()
+        if sequence.prompt_embeddings is None:
+            return embed(to_device(sequence.tokens[first:end], self.device))
+        prompt_part = min(end, len(sequence.prompt_ids))
+        parts = [sequence.prompt_embeddings[first:prompt_part]]
+        if end > prompt_part:
+            parts.append(embed(to_device(sequence.tokens[max(first, prompt_part) : end], self.device)))
+        return torch.cat(parts)
 
     def decode_inputs(self, rows: list[Sequence], tokens: list[list[int]]) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(row bucket, input ids, positions) of a decode forward over every occupied row: `tokens[i]` for the
@@ -331,14 +342,18 @@ class Inkling2Engine:
         # prompt chunks first (they also make the buffers allocated at a first write, the drafter's context among
         # them): from the start and after cached tokens, long and short, of lengths that Triton specializes
         # differently (multiples of 16 or not)
-        dummy = Sequence([0] * self.cache.max_row_tokens, SamplingParams())
-        dummy.slot = 0
-        for first, end in WARM_UP_CHUNKS:
-            end = min(end, self.scheduler.max_sequence_tokens, first + self.scheduler.max_step_tokens)
-            if first < end:
-                output = self._prefill(dummy, first, end)
-                if self.drafter is not None:
-                    self.drafter.remember(output[1], torch.arange(first, end, device=self.device))
+        chunks = [(1, WARM_UP_CHUNKS)]  # and rows side by side, in the batch sizes Triton specializes apart
+        chunks += [(rows, WARM_UP_CHUNKS[:3]) for rows in WARM_UP_PREFILL_ROWS if rows <= self.cache.max_rows]
+        dummies = [Sequence([0] * self.cache.max_row_tokens, SamplingParams()) for _ in range(chunks[-1][0])]
+        for slot, dummy in enumerate(dummies):
+            dummy.slot = slot
+        for rows, ranges in chunks:
+            for first, end in ranges:
+                end = min(end, self.scheduler.max_sequence_tokens, first + self.scheduler.max_step_tokens // rows)
+                if first < end:
+                    output = self._prefill(dummies[:rows], first, end)
+                    if self.drafter is not None:
+                        self.drafter.remember(output[1], torch.arange(first, end, device=self.device))
         width = 1 if self.drafter is None else self.drafter.block_size + 1
         positions_of_rows = torch.arange(width, device=self.device)
         most = self.cache.max_rows

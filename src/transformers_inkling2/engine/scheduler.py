@@ -2,7 +2,9 @@
 
 Every step decodes each row that has finished its prompt (one token, or a DSpark block), and spends what is left of
 the step's token budget on prompt chunks of the rows still prefilling, oldest first (chunked prefill: a long prompt
-never stalls the rows that decode). Rows (the cache's slots) stay contiguous from 0: a sequence that ends hands its
+never stalls the rows that decode). Neighbouring rows at the same position (requests admitted together) prefill
+side by side in one forward, which reads every routed expert's weights once for all of them: a chunk covers as
+many of them as gives the most tokens within the budget. Rows (the cache's slots) stay contiguous from 0: a sequence that ends hands its
 slot to the last row, so a decode step covers rows `0 .. running - 1`.
 
 Memory follows the tokens: a sequence gets the pages of its prompt when admitted, and one more page whenever its
@@ -53,12 +55,27 @@ class PageAllocator:
 @dataclass
 class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
-    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, first, end) token ranges
+    # (rows, first, end): neighbouring rows and the token range they all prefill in one forward
+    prefill: list[tuple[list[Sequence], int, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.decode and not self.prefill
+
+
+def side_by_side(group: list[Sequence], budget: int) -> tuple[int, int]:
+    """(rows, tokens per row) of the next chunk of `group` (neighbouring rows at one position): the most tokens
+    within `budget`, and on a tie the most rows (fewer forwards)."""
+    best, shortest = (0, 0), None
+    for count, sequence in enumerate(group, start=1):
+        shortest = sequence.to_prefill if shortest is None else min(shortest, sequence.to_prefill)
+        length = min(shortest, budget // count)
+        if length < 1:
+            break
+        if count * length >= best[0] * best[1]:
+            best = (count, length)
+    return best
 
 
 class Scheduler:
@@ -112,13 +129,18 @@ class Scheduler:
         plan.decode = [s for s in plan.decode if s.slot is not None]
         decode_tokens = len(plan.decode) * self.step_tokens
         budget = max(self.max_step_tokens - decode_tokens, self.max_step_tokens // MIN_PREFILL_SHARE, 1)
-        for sequence in self.running:
-            if budget <= 0:
-                break
-            if sequence.to_prefill:
-                chunk = min(sequence.to_prefill, budget)
-                plan.prefill.append((sequence, sequence.computed, sequence.computed + chunk))
-                budget -= chunk
+        pending = [s for s in self.running if s.to_prefill]
+        while pending and budget > 0:
+            group = [pending[0]]
+            for sequence in pending[1:]:
+                if sequence.slot != group[-1].slot + 1 or sequence.computed != group[0].computed:
+                    break
+                group.append(sequence)
+            count, length = side_by_side(group, budget)
+            first = group[0].computed
+            plan.prefill.append((group[:count], first, first + length))
+            budget -= count * length
+            del pending[:count]
         return plan
 
     def _admit(self) -> list[Sequence]:

@@ -39,16 +39,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 CONTEXTS = {4: 262_144, 8: 1_048_576}  # the GB200 plans: one tray of four GPUs, two trays
-PROMPT_TOKENS = 2048  # past the 1024-token sliding window, so that the sliding layers' rings wrap
+PROMPT_TOKENS = 2048  # past the 1024-token sliding window: the sliding layers' caches keep only its last keys
 IMAGE_GRID = (1, 1, 2)  # one image of 1 x 2 tokens (the ViT runs on the CPU: few patches)
-GIB = 2**30
-
-
-def official_config():
-    """Inkling-2-Small with its DSpark drafter (the official repo ships it as `mtp.safetensors`, loaded with it)."""
-    from transformers_inkling2 import Inkling2Config, Inkling2DSparkConfig
-
-    return Inkling2Config(dspark_config=Inkling2DSparkConfig().to_dict())
 
 
 @contextlib.contextmanager
@@ -155,7 +147,7 @@ def trace(model) -> dict:
 
     config = model.config
     vision = model.model.vision_tower.to_empty(device="cpu")  # see the module docstring
-    for tensor in vision.parameters():
+    for tensor in [*vision.parameters(), *vision.buffers()]:
         tensor.data.zero_()
     cell = config.vision_config.patch_size * config.vision_config.spatial_merge_size
     image_tokens = IMAGE_GRID[1] * IMAGE_GRID[2]
@@ -184,14 +176,15 @@ def trace(model) -> dict:
     }
 
 
-def check(tp: int, variant: str, context: int, ranks: list[int]) -> dict:
+def check(tp: int, variant: str, context: int, prefill_chunk: int, ranks: list[int]) -> dict:
     """The report of `ranks` (the last one traced) and the failed checks."""
-    from transformers_inkling2.parallel.planning import memory_plan, meta_model
+    from transformers_inkling2.parallel.planning import memory_plan, meta_model, official_config
 
     config = official_config()
-    plan = memory_plan(config, variant, tp, context=context)
+    plan = memory_plan(config, variant, tp, context=context, prefill_chunk=prefill_chunk)
     names = checkpoint_names(meta_model(config, variant))
-    report = {"tp": tp, "variant": variant, "context": context, "plan": {**plan.__dict__, "total": plan.total}}
+    report = {"tp": tp, "variant": variant, "context": context, "prefill_chunk": prefill_chunk}
+    report["plan"] = {**plan.__dict__, "total": plan.total}
     report["ranks"], failures = {}, []
     for rank in ranks:
         with fake_rank(rank, tp):
@@ -208,7 +201,7 @@ def check(tp: int, variant: str, context: int, ranks: list[int]) -> dict:
 
 
 def summary(report: dict) -> str:
-    from transformers_inkling2.parallel.planning import MemoryPlan, format_plan
+    from transformers_inkling2.parallel.planning import GIB, MemoryPlan, format_plan
 
     tp = report["tp"]
     rows = ["| rank | q / kv heads | experts | lm_head rows | checkpoint tensors | held (GiB) | planned (GiB) | "
@@ -226,25 +219,27 @@ def summary(report: dict) -> str:
         f"EP {tp} on the meta device",
         *rows,
         "",
-        f"[trace] rank {trace['rank']}: prefill of {PROMPT_TOKENS:,} tokens with a {IMAGE_GRID[1]}x{IMAGE_GRID[2]}-token "
-        f"image (features {trace['image_features']}, {trace['hidden_states']} hidden states), logits "
-        f"{trace['prefill_logits']}; DSpark draft {trace['drafts']}; decode step logits {trace['decode_logits']}; "
-        f"{trace['cached_tokens']:,} tokens cached ({trace['seconds']} s)",
+        f"[trace] rank {trace['rank']}: prefill of {PROMPT_TOKENS:,} tokens with a "
+        f"{IMAGE_GRID[1]}x{IMAGE_GRID[2]}-token image: features {trace['image_features']}, "
+        f"{trace['hidden_states']} hidden states, logits {trace['prefill_logits']}",
+        f"[trace] DSpark draft {trace['drafts']}; decode step: logits {trace['decode_logits']}, "
+        f"{trace['cached_tokens']:,} tokens cached ({trace['seconds']} s in all)",
         "",
-        f"[plan] TP {tp} / EP {tp}, 1 x {report['context']:,} tokens, prefill chunks of 16,384",
+        f"[plan] TP {tp} / EP {tp}, 1 x {report['context']:,} tokens, prefill chunks of {report['prefill_chunk']:,}",
         format_plan(plan),
         *(["", "FAILED:", *report["failures"]] if report["failures"] else []),
     ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers_inkling2.parallel.planning import VARIANTS
+    from transformers_inkling2.parallel.planning import VARIANTS, official_config
     from transformers_inkling2.parallel.tensor_parallel import validate_parallel_size
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, required=True, help="tensor- and expert-parallel size: 2, 4 or 8")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="nvfp4-mxfp8")
-    parser.add_argument("--context", type=int, default=None, help="tokens the plan holds (262,144 at TP4, else 1M)")
+    parser.add_argument("--context", type=int, help="tokens the plan holds (1,048,576 at TP8, else 262,144)")
+    parser.add_argument("--prefill-chunk", type=int, default=16_384, help="tokens a prefill runs at once")
     parser.add_argument("--all-ranks", action="store_true", help="every rank, not only the first and the last")
     parser.add_argument("--json", type=Path, default=None, help="also write the report (every tensor) here")
     args = parser.parse_args(argv)
@@ -254,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         validate_parallel_size(official_config(), args.tp)
     except ValueError as error:
         parser.error(str(error))
-    context = args.context or CONTEXTS.get(args.tp, CONTEXTS[8])
+    context = CONTEXTS.get(args.tp, CONTEXTS[4]) if args.context is None else args.context
     ranks = list(range(args.tp)) if args.all_ranks else [0, args.tp - 1]
     try:
-        report = check(args.tp, args.variant, context, ranks)
+        report = check(args.tp, args.variant, context, args.prefill_chunk, ranks)
     except ValueError as error:  # what the planner refuses (a context below one token, ...)
         parser.error(str(error))
     print(summary(report))

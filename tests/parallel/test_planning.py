@@ -13,6 +13,7 @@ from transformers_inkling2.parallel.planning import (
     NoRoomForPages,
     format_pages,
     memory_plan,
+    planned_split,
     serving_pages,
 )
 from transformers_inkling2.quantization.quantize import quantize_checkpoint
@@ -89,6 +90,14 @@ def test_parallel_sizes_split_what_they_split_and_bad_sizes_are_refused():
     assert 350 < one.weights / GIB < 370  # Inkling-2-Small's NVFP4 + MXFP8 checkpoint: about 394 GB
     with pytest.raises(ValueError, match="must divide"):
         memory_plan(config, tp=5)
+
+
+def test_only_the_decoders_attention_is_split_by_heads_the_vits_is_replicated():
+    """Both have `self_attn.q_proj`; `tp_plan="auto"` splits the decoder's layers only."""
+    text = Inkling2TextConfig()
+    assert planned_split("model.language_model.layers.3.self_attn.q_proj.weight", text, tp=4, ep=4) == (0, 4)
+    assert planned_split("model.layers.3.self_attn.o_proj.weight", text, tp=4, ep=4) == (1, 4)
+    assert planned_split("model.vision_tower.layers.3.self_attn.q_proj.weight", text, tp=4, ep=4) is None
 
 
 def test_plan_command_prints_the_table_and_the_pages(capsys):

@@ -36,7 +36,7 @@ from ..cache.paged import (
     pages_that_fit,
     row_state_bytes,
 )
-from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2TextConfig
+from ..configuration_inkling2 import FULL_LAYER, Inkling2Config, Inkling2DSparkConfig, Inkling2TextConfig
 from ..modeling.activation_memory import prefill_activation_bytes
 
 GIB = 2**30
@@ -62,9 +62,20 @@ class MemoryPlan:
         return {name: value / GIB for name, value in {**self.__dict__, "total": self.total}.items()}
 
 
-# per-head (or per-kv-head) tensors that tensor parallelism splits over ranks
-SPLIT_BY_HEADS = re.compile(r"self_attn\.(q_proj|r_proj|o_proj|gate_proj|sink_proj|q_l2_clip|rel_l2_clip)\.")
-SPLIT_BY_KV_HEADS = re.compile(r"self_attn\.(k_proj|v_proj|k_sconv|v_sconv)\.")
+# The tensors the parallel plans (`parallel/tensor_parallel.py`) split, along which dim, over which ranks: the text
+# decoder's attention by heads (its key/value tensors by kv heads), routed experts in blocks, `lm_head` by vocabulary.
+# Everything else is replicated, the ViT's attention and the DSpark drafter included.
+DECODER_LAYERS = r"^model\.(language_model\.)?layers\.\d+\."
+SPLITS = (
+    (re.compile(DECODER_LAYERS + r"self_attn\.(q_proj|r_proj|gate_proj|sink_proj)\.weight$"), 0, "tp"),
+    (re.compile(DECODER_LAYERS + r"self_attn\.o_proj\.weight$"), 1, "tp"),
+    (re.compile(DECODER_LAYERS + r"self_attn\.(q_l2_clip|rel_l2_clip)\.scale$"), 0, "tp"),
+    (re.compile(DECODER_LAYERS + r"self_attn\.(k_proj|v_proj)\.weight$"), 0, "kv"),
+    (re.compile(DECODER_LAYERS + r"self_attn\.[kv]_sconv\.(conv1d|weight_proj)\.weight$"), 0, "kv"),
+    (re.compile(DECODER_LAYERS + r"self_attn\.[kv]_sconv\.static_weight$"), 1, "kv"),
+    (re.compile(DECODER_LAYERS + r"mlp\.experts\."), 0, "ep"),
+    (re.compile(r"^lm_head\.weight$"), 0, "tp"),
+)
 
 
 def expert_quantization(text: Inkling2TextConfig, variant: str) -> dict | None:
@@ -74,39 +85,47 @@ def expert_quantization(text: Inkling2TextConfig, variant: str) -> dict | None:
     return {"formats": formats, "nvfp4_outer_scales": ["scale_2"], "nvfp4_outer_per_half": True}
 
 
-def weight_bytes(config: Inkling2Config | Inkling2TextConfig, variant: str, tp: int, ep: int) -> float:
-    """Bytes of one rank's weights, counted on the model itself built on the meta device (no memory): every
-    tensor at its stored dtype (BF16, the fp32-kept modules in fp32, packed experts as packed), divided over the
-    ranks that split it."""
+def official_config() -> Inkling2Config:
+    """Inkling-2-Small as its repo ships it: the multimodal model and the DSpark drafter (`mtp.safetensors`, which
+    `from_pretrained` loads with it)."""
+    return Inkling2Config(dspark_config=Inkling2DSparkConfig().to_dict())
+
+
+def meta_model(config: Inkling2Config | Inkling2TextConfig, variant: str = "nvfp4-mxfp8") -> torch.nn.Module:
+    """The model of `config` (multimodal for an `Inkling2Config`, else the text decoder) on the meta device, which
+    holds no memory: every tensor at the dtype `from_pretrained(..., dtype=torch.bfloat16)` gives it (BF16, fp32 for
+    the modules the original runs in fp32) and the routed experts packed as the `variant` checkpoint stores them."""
     from ..modeling.modeling_inkling2 import Inkling2ForConditionalGeneration
     from ..modeling.modeling_inkling2_text import Inkling2ForCausalLM
-    from ..quantization.experts import Inkling2QuantizedExperts
 
     config = copy.deepcopy(config)
     text = config.get_text_config()
     text.expert_quantization = expert_quantization(text, variant)
     model_class = Inkling2ForConditionalGeneration if isinstance(config, Inkling2Config) else Inkling2ForCausalLM
     with torch.device("meta"):
-        model = model_class(config)
+        model = model_class._from_config(config, dtype=torch.bfloat16)
     keep_fp32 = model._keep_in_fp32_modules_strict
-    kv_split = min(tp, text.num_key_value_heads, text.swa_num_key_value_heads)
-    total = 0.0
-    packed = {f"{name}." for name, module in model.named_modules() if isinstance(module, Inkling2QuantizedExperts)}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if any(name.startswith(prefix) for prefix in packed):  # packed experts keep their own dtypes
-            size = tensor.dtype.itemsize
-        else:
-            size = 4 if any(pattern in name for pattern in keep_fp32) else 2
-        ranks = 1
-        if name.startswith("dspark."):  # the DSpark drafter is replicated
-            pass
-        elif ".mlp.experts." in name:
-            ranks = ep
-        elif SPLIT_BY_HEADS.search(name) or name.startswith("lm_head"):
-            ranks = tp
-        elif SPLIT_BY_KV_HEADS.search(name):
-            ranks = kv_split
-        total += tensor.numel() * size / ranks
+        if any(pattern in name for pattern in keep_fp32):
+            tensor.data = tensor.data.float()
+    return model
+
+
+def planned_split(name: str, text: Inkling2TextConfig, tp: int, ep: int) -> tuple[int, int] | None:
+    """(dim, ranks): how the parallel plans split the model's tensor `name` over `tp` / `ep` ranks, key/value tensors
+    over at most as many ranks as there are kv heads; None for a tensor every rank holds whole."""
+    ranks = {"tp": tp, "ep": ep, "kv": min(tp, text.num_key_value_heads, text.swa_num_key_value_heads)}
+    return next(((dim, ranks[size]) for pattern, dim, size in SPLITS if pattern.search(name)), None)
+
+
+def weight_bytes(config: Inkling2Config | Inkling2TextConfig, variant: str, tp: int, ep: int) -> float:
+    """Bytes of one rank's weights, counted on the model itself (`meta_model`): every tensor at its stored dtype,
+    divided over the ranks that split it (`planned_split`)."""
+    text, model = config.get_text_config(), meta_model(config, variant)
+    total = 0.0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        split = planned_split(name, text, tp, ep)
+        total += tensor.numel() * tensor.element_size() / (1 if split is None else split[1])
     return total
 
 

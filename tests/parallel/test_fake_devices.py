@@ -139,9 +139,13 @@ def reports(tmp_path_factory):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for tp in SIZES
     }  # fmt: skip
-    for tp, run in runs.items():
-        out, err = run.communicate(timeout=600)
-        assert run.returncode == 0, f"fake_devices.py --tp {tp} failed:\n{out[-3000:]}\n{err[-3000:]}"
+    try:
+        outputs = {tp: run.communicate(timeout=600) for tp, run in runs.items()}
+    finally:
+        for run in runs.values():
+            run.kill()  # a run past the timeout; nothing once it has exited
+    for tp, (out, err) in outputs.items():
+        assert runs[tp].returncode == 0, f"fake_devices.py --tp {tp} failed:\n{out[-3000:]}\n{err[-3000:]}"
     return {tp: json.loads((folder / f"tp{tp}.json").read_text()) for tp in SIZES}
 
 

@@ -9,11 +9,14 @@ steps. Never a test module: nothing here is collected.
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import transformers_inkling2  # noqa: F401  (registers our classes)
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2TextConfig
@@ -303,3 +306,28 @@ def assert_same_logits(expected, actual, atol=1e-4):
 
 
 STEPS = [1, 3, 1, 8, 1, 1, 5, 1, 2, 1, 1, 1, 8, 1]  # crosses the window (8) and the extent (12) several times
+
+
+# the TP8 launch took 229 s at most on 2 cores that other jobs shared; a hung launch is killed (the worker's
+# collectives give up after 5 minutes first and say which one hung)
+LAUNCH_TIMEOUT = 600  # seconds
+
+
+def torchrun(ranks: int, script: Path, *arguments) -> None:
+    """Runs `script` on `ranks` CPU processes (skips where torch has no gloo); on a failure or a hang the test fails
+    with their output."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torchrun on CPU needs torch.distributed with gloo, which this torch build lacks")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               str(script), *map(str, arguments)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks
+            stdout, stderr = process.communicate()
+            pytest.fail(f"torchrun ran past {LAUNCH_TIMEOUT} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    assert process.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"

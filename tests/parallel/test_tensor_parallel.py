@@ -12,15 +12,11 @@ checked at TP2 only, which keeps TP4 and TP8 within CI's time on two cores.
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from inkling2_helpers import torchrun
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration, Inkling2TextConfig
 from transformers_inkling2.parallel.planning import memory_plan
@@ -46,34 +42,11 @@ TEXT = dict(
 # What one rank holds on the real model: query heads, key/value heads, routed experts
 OFFICIAL_SPLIT = {2: (24, 4, 192), 4: (12, 2, 96), 8: (6, 1, 48)}
 TOLERANCE = 1e-4  # relative, fp32
-# the TP8 launch took 229 s at most on 2 cores that other jobs shared; a hung launch is killed (the worker's
-# collectives give up after 5 minutes first and say which one hung)
-LAUNCH_TIMEOUT = 600  # seconds
 AT_TP2_ONLY = pytest.mark.parametrize("report", [2], indirect=True, ids=["tp2"])
 
 
 def text_config_with_drafter():
     return tiny_text_config(**TEXT, dspark_config=tiny_dspark_config(mask_token_id=510))
-
-
-def torchrun(ranks: int, script: Path, *arguments) -> None:
-    """Runs `script` on `ranks` CPU processes (skips where torch has no gloo); on a failure or a hang the test fails
-    with their output."""
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torchrun on CPU needs torch.distributed with gloo, which this torch build lacks")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               str(script), *map(str, arguments)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks
-            stdout, stderr = process.communicate()
-            pytest.fail(f"torchrun ran past {LAUNCH_TIMEOUT} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    assert process.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,13 @@ At toy width those replicated tensors are most of the checkpoint, so a rank read
 """
 
 import json
-import os
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from inkling2_helpers import torchrun
 from safetensors.torch import load_file, save_file
 
 from transformers_inkling2 import Inkling2ForConditionalGeneration
@@ -88,11 +86,7 @@ def checkpoints(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(checkpoints) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-               str(WORKER), str(checkpoints), str(checkpoints / "report.json")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    torchrun(RANKS, WORKER, checkpoints, checkpoints / "report.json")
     return json.loads((checkpoints / "report.json").read_text())
 
 

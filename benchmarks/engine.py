@@ -143,8 +143,8 @@ def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
     prefill_syncs = sync_points(lambda: chunks(1))
     from transformers_inkling2.engine import SamplingParams as Params
 
-    for _ in range(rows):
-        engine.add_request(prompt, Params(max_new_tokens=200))
+    for row in range(rows):  # prompts of their own: the rows then route to different experts, as users' do
+        engine.add_request(prompt[row:] + prompt[:row], Params(max_new_tokens=200))
     while any(not s.decoding for s in engine.scheduler.running) or engine.num_waiting:
         engine.step()
     pieces.append([f"engine step, {rows} rows decoding (host and GPU)", synchronized_ms(engine.step, repeats=21)])

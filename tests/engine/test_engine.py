@@ -206,14 +206,14 @@ def test_requests_admitted_together_prefill_side_by_side(drafting_model, dspark,
     rows = chunk_rows(engine, monkeypatch)
     outputs = engine.generate(requests, SamplingParams(max_new_tokens=9))
     assert outputs == [alone(drafting_model, p, 9, do_sample=False) for p in requests]
-    assert rows[0] == 4 and max(rows[1:]) == 3  # 4 rows x 12 tokens (48 as 2 x 24, but more rows), then 3
+    assert rows[:2] == [4, 2]  # 4 x 12 (finishes the 12-token prompt), then the two that 2 x 18 finishes
 
 
-def test_the_next_chunk_takes_the_most_tokens_and_then_the_most_rows():
+def test_the_next_chunk_finishes_the_most_prompts_then_takes_the_most_tokens_and_rows():
     group = [scheduler.Sequence([1] * n, SamplingParams()) for n in (30, 30, 12, 5)]
-    assert scheduler.side_by_side(group, 48) == (2, 24)  # 48 tokens; 1 x 30, 3 x 12 and 4 x 5 take fewer
-    assert scheduler.side_by_side(group, 60) == (2, 30)
-    assert scheduler.side_by_side(group, 7) == (1, 7)
+    assert scheduler.side_by_side(group, 48) == (3, 12)  # finishes 1 (as 1 x 30 and 4 x 5 do) with the most tokens
+    assert scheduler.side_by_side(group, 60) == (2, 30)  # finishes 2
+    assert scheduler.side_by_side(group, 7) == (1, 7)  # finishes none: the most tokens
     assert scheduler.side_by_side(group[:2], 24) == (2, 12)  # a tie with 1 x 24: fewer forwards
 
 
@@ -228,7 +228,7 @@ def test_images_in_prompts(monkeypatch):
         torch.tensor([with_image]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
         **image_inputs,
     )[0, 24:].tolist()  # fmt: skip
-    engine = engine_for(model)
+    engine = engine_for(model, max_step_tokens=48)  # room for both prompts in one chunk
     rows = chunk_rows(engine, monkeypatch)
     image_request = engine.add_request(with_image, SamplingParams(max_new_tokens=10), image_inputs=image_inputs)
     text_request = engine.add_request(text_only, SamplingParams(max_new_tokens=10))

@@ -1,6 +1,7 @@
 """Checkpoints with NVFP4 / MXFP8 routed experts: detection, loading, saving, the quantize tool and their errors."""
 
 import json
+import shutil
 from unittest.mock import Mock
 
 import pytest
@@ -70,6 +71,15 @@ def test_quantize_tool_writes_the_official_mixed_layout(checkpoints):
     assert tensors[w13.format(5)].dtype == torch.float8_e4m3fn and tensors[w13.format(5) + "_scale"].dtype == torch.uint8
     sidecar = json.loads((checkpoints / "mixed" / "hf_quant_config.json").read_text())
     assert sidecar["quantization"]["quantized_layers"]["model.llm.layers.4.mlp.experts"]["quant_algo"] == "MXFP8"
+
+
+def test_quantize_tool_copies_the_drafters_mtp_file_unchanged(checkpoints, tmp_path):
+    """The official layout ships the BF16 drafter as `mtp.safetensors` beside the shards: quantizing keeps it."""
+    shutil.copytree(checkpoints / "bf16", tmp_path / "bf16")
+    drafter = {"mtp.fc.weight": torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).bfloat16()}
+    save_file(drafter, tmp_path / "bf16" / "mtp.safetensors")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "mixed", mxfp8_from=4)
+    assert torch.equal(load_file(tmp_path / "mixed" / "mtp.safetensors")["mtp.fc.weight"], drafter["mtp.fc.weight"])
 
 
 def test_quantized_model_equals_the_model_on_explicitly_dequantized_weights(checkpoints):

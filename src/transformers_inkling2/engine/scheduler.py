@@ -3,8 +3,8 @@
 Every step decodes each row that has finished its prompt (one token, or a DSpark block), and spends what is left of
 the step's token budget on prompt chunks of the rows still prefilling, oldest first (chunked prefill: a long prompt
 never stalls the rows that decode). Neighbouring rows at the same position (requests admitted together) prefill
-side by side in one forward, which reads every routed expert's weights once for all of them: a chunk covers as
-many of them as gives the most tokens within the budget. Rows (the cache's slots) stay contiguous from 0: a sequence that ends hands its
+side by side in one forward, which reads every routed expert's weights once for all of them (`side_by_side` picks
+how many, and how far). Rows (the cache's slots) stay contiguous from 0: a sequence that ends hands its
 slot to the last row, so a decode step covers rows `0 .. running - 1`.
 
 Memory follows the tokens: a sequence gets the pages of its prompt when admitted, and one more page whenever its
@@ -65,16 +65,19 @@ class StepPlan:
 
 
 def side_by_side(group: list[Sequence], budget: int) -> tuple[int, int]:
-    """(rows, tokens per row) of the next chunk of `group` (neighbouring rows at one position): the most tokens
-    within `budget`, and on a tie the most rows (fewer forwards)."""
-    best, shortest = (0, 0), None
+    """(rows, tokens per row) of the next chunk of `group` (neighbouring rows at one position), within `budget`: the
+    one that finishes the most prompts (their first tokens come out of it), then the most tokens, then the most rows
+    (fewer forwards)."""
+    best, best_score, shortest = (0, 0), None, None
     for count, sequence in enumerate(group, start=1):
         shortest = sequence.to_prefill if shortest is None else min(shortest, sequence.to_prefill)
         length = min(shortest, budget // count)
         if length < 1:
             break
-        if count * length >= best[0] * best[1]:
-            best = (count, length)
+        finished = sum(s.to_prefill == length for s in group[:count])
+        score = (finished, count * length, count)
+        if best_score is None or score >= best_score:
+            best, best_score = (count, length), score
     return best
 
 

@@ -5,7 +5,7 @@ per 16 inputs, fp32 `weight_scale_2` multipliers per expert, per gate/up half fo
 E8M0 block scales per 32 inputs). Everything else is copied unchanged. It streams: one shard in memory at a time,
 one expert tensor converted at a time, so it runs on checkpoints much larger than memory. It writes the shards, the
 index, the config (without a `quantization_config`), a `hf_quant_config.json` naming each layer's format, and copies
-the tokenizer and processor files.
+the tokenizer and processor files and the drafter's `mtp.safetensors` (BF16 in the official checkpoints too).
 """
 
 import json
@@ -23,7 +23,7 @@ from . import formats as qf
 
 EXPERT_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w13_weight|w2_weight)$")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json",
-                "preprocessor_config.json", "generation_config.json", "special_tokens_map.json")
+                "preprocessor_config.json", "generation_config.json", "special_tokens_map.json", "mtp.safetensors")
 
 
 def quantize_expert(name: str, weight: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:

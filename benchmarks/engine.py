@@ -11,10 +11,12 @@ at once (random prompts of --prompt-tokens, greedy, --output-tokens each) and st
 - decode step ms: the mean wall time of steps that only decoded (no prompt chunk), i.e. at C rows.
 A warm-up level runs first with the same shapes (CUDA graphs captured there).
 
-`--breakdown` (GPU) then times the pieces of a step apart, each synchronized: a prompt chunk of one row, of two
-rows one after the other and of two rows side by side, the decode forward (graph replay) at 1 and at the most rows, and choosing the rows' next
-tokens greedy without processors and with a logits processor per row (as the serving benchmark's shaping one); and
-writes the profiler's top kernels of one prompt chunk.
+`--breakdown` (GPU) then times the pieces of a step apart, each synchronized: a prompt chunk of one row, of two rows
+one after the other and of two rows side by side, the decode forward (graph replay) at 1 and at the most rows,
+choosing the rows' next tokens greedy without processors and with a logits processor of each row's own (as a
+request's grammar is), and an engine step of the most rows decoding (prompts of their own); and writes the
+host-device synchronizations of a prompt chunk and of a decode step, a cProfile of 30 decode steps and the profiler's
+top kernels of one prompt chunk.
 
     python3 benchmarks/engine.py --out $OUT [--concurrency 1 4 16 64] [--prompt-tokens 1024] [--output-tokens 256]
         [--breakdown]
@@ -133,12 +135,14 @@ def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
         ids = torch.arange(count, device=engine.device)[:, None] * 7919 + 11
         positions = torch.full((count, 1), prompt_tokens, device=engine.device)
         engine.run_decode(ids, positions, span)
-        pieces.append([f"decode forward, {count} rows (graph)", synchronized_ms(lambda: engine.run_decode(ids, positions, span))])  # fmt: skip
+        forward_ms = synchronized_ms(lambda: engine.run_decode(ids, positions, span))
+        pieces.append([f"decode forward, {count} rows (graph)", forward_ms])
     logits = torch.randn(rows, engine.text_config.vocab_size, device=engine.device)
     greedy = [Sequence(prompt, SamplingParams()) for _ in range(rows)]
     own = [Sequence(prompt, SamplingParams(logits_processors=[BanToken(0)])) for _ in range(rows)]
     pieces.append([f"next tokens, {rows} greedy rows", synchronized_ms(lambda: next_tokens(greedy, logits))])
-    pieces.append([f"next tokens, {rows} rows with a processor each", synchronized_ms(lambda: next_tokens(own, logits))])  # fmt: skip
+    own_ms = synchronized_ms(lambda: next_tokens(own, logits))
+    pieces.append([f"next tokens, {rows} rows with a processor each", own_ms])
     engine.scheduler.running = []
     prefill_syncs = sync_points(lambda: chunks(1))
     from transformers_inkling2.engine import SamplingParams as Params

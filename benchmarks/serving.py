@@ -48,8 +48,9 @@ Per level:
 `inkling2 serve` batches its requests continuously (`Inkling2Engine`, docs/engine.md), with the server's default
 engine settings (`--max-num-seqs` at least the highest concurrency). The client runs in a child process (spawned
 once; its own interpreter and GIL), as a real client runs elsewhere: in the server's process its parsing of every
-streamed chunk would compete with the engine thread for the GIL (docs/benchmarks.md has both runs). The table's "TTFT p50 after the first C" leaves out the opening burst (the first C
-requests of a level arrive at once and wait for each other's prompts). The replies are noise (random weights).
+streamed chunk would compete with the engine thread for the GIL (docs/benchmarks.md has both runs). The table's
+"TTFT p50 after the first C" leaves out the opening burst (the first C requests of a level arrive at once and wait
+for each other's prompts). The replies are noise (random weights).
 
 CPU (small defaults: 128 prompt tokens, 32 output tokens; a couple of minutes):
 

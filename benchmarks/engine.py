@@ -97,7 +97,7 @@ def synchronized_ms(fn, repeats: int = 5) -> float:
 
 
 class BanToken:
-    """A per-request logits processor of the serving benchmark's cost (one masked fill per step)."""
+    """A request's own logits processor (one masked fill per step), as a grammar's would be."""
 
     def __init__(self, token: int):
         self.token = token
@@ -145,10 +145,8 @@ def breakdown(engine, prompt_tokens: int, rows: int) -> tuple[list[list], str]:
     pieces.append([f"next tokens, {rows} rows with a processor each", own_ms])
     engine.scheduler.running = []
     prefill_syncs = sync_points(lambda: chunks(1))
-    from transformers_inkling2.engine import SamplingParams as Params
-
     for row in range(rows):  # prompts of their own: the rows then route to different experts, as users' do
-        engine.add_request(prompt[row:] + prompt[:row], Params(max_new_tokens=200))
+        engine.add_request(prompt[row:] + prompt[:row], SamplingParams(max_new_tokens=200))
     while any(not s.decoding for s in engine.scheduler.running) or engine.num_waiting:
         engine.step()
     pieces.append([f"engine step, {rows} rows decoding (host and GPU)", synchronized_ms(engine.step, repeats=21)])

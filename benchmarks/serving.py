@@ -367,7 +367,7 @@ class TextBlockReplies:
         logits = min(text.vocab_size, text.unpadded_vocab_size)  # the logits are cut to the real tokens
         self.opening = torch.full((logits,), float("-inf"), device=device)
         self.opening[tokenizer.convert_tokens_to_ids("<|content_text|>")] = 0.0
-        self.handle = model.register_forward_hook(self, with_kwargs=True)
+        model.register_forward_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs, output):
         ids = kwargs.get("input_ids")

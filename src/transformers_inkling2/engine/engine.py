@@ -344,7 +344,8 @@ class Inkling2Engine:
         # differently (multiples of 16 or not)
         chunks = [(1, WARM_UP_CHUNKS)]  # and rows side by side, in the batch sizes Triton specializes apart
         chunks += [(rows, WARM_UP_CHUNKS[:3]) for rows in WARM_UP_PREFILL_ROWS if rows <= self.cache.max_rows]
-        dummies = [Sequence([0] * self.cache.max_row_tokens, SamplingParams()) for _ in range(chunks[-1][0])]
+        most_rows = max(rows for rows, _ in chunks)
+        dummies = [Sequence([0] * self.cache.max_row_tokens, SamplingParams()) for _ in range(most_rows)]
         for slot, dummy in enumerate(dummies):
             dummy.slot = slot
         for rows, ranges in chunks:

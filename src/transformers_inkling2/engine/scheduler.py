@@ -17,6 +17,7 @@ that could not fit even alone is refused when it arrives.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,17 +69,15 @@ def side_by_side(group: list[Sequence], budget: int) -> tuple[int, int]:
     """(rows, tokens per row) of the next chunk of `group` (neighbouring rows at one position), within `budget`: the
     one that finishes the most prompts (their first tokens come out of it), then the most tokens, then the most rows
     (fewer forwards)."""
-    best, best_score, shortest = (0, 0), None, None
+    choices, shortest = [], math.inf
     for count, sequence in enumerate(group, start=1):
-        shortest = sequence.to_prefill if shortest is None else min(shortest, sequence.to_prefill)
+        shortest = min(shortest, sequence.to_prefill)
         length = min(shortest, budget // count)
         if length < 1:
             break
         finished = sum(s.to_prefill == length for s in group[:count])
-        score = (finished, count * length, count)
-        if best_score is None or score >= best_score:
-            best, best_score = (count, length), score
-    return best
+        choices.append(((finished, count * length, count), (count, length)))
+    return max(choices)[1]
 
 
 class Scheduler:

@@ -110,9 +110,12 @@ from transformers import AutoModelForImageTextToText
 model = AutoModelForImageTextToText.from_pretrained({ckpt!r})
 inputs = {{"input_ids": torch.tensor([ids])}}
 """,
+    # the checkout's kernel built as the model's first use builds it (the README's test command runs no build step)
+    "kernel_built": "from transformers_inkling2.backends.kernel_loading import local_kernel\nlocal_kernel()\n",
 }
 LORA_BLOCK = ("docs/finetuning.md", "model = get_peft_model(model, config)")
 CONTEXT = {  # (file, distinctive line): (what runs before, what runs after)
+    ("docs/kernels.md", "moe = get_local_kernel("): (["kernel_built"], ""),
     ("docs/attention.md", 'cache_implementation="static")          # plain decoding'): (["generate"], ""),
     ("docs/dspark.md", 'draft_sample_method="probabilistic"'): (
         ["generate"], "assert out.sequences.shape[1] > inputs['input_ids'].shape[1]\n"),

@@ -87,8 +87,12 @@ TOOL_CHOICES = ("none", "auto", "required")
 # Compact JSON, as the chat template (and tml) write tool-call arguments; llguidance's default string escapes (no
 # `\/`, `\uXXXX` only for control characters) are already those of Python's json.dumps(ensure_ascii=False).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-# Any ordinary (BPE) token but 187, o200k's lone byte 0xFF, which llguidance reserves (see the module docstring).
-_ORDINARY_TOKEN = f"<[0-186,188-{NUM_BPE_RANKS - 1}]>"
+
+
+def _ordinary_token(num_ordinary_tokens: int) -> str:
+    """Any ordinary (BPE) token but 187, o200k's lone byte 0xFF, which llguidance reserves (see the module
+    docstring); the ordinary ids are 0..num_ordinary_tokens-1 (o200k's first ranks)."""
+    return f"<[0-186,188-{num_ordinary_tokens - 1}]>"
 
 
 def _first_line(error: str) -> str:
@@ -216,6 +220,7 @@ def reply_grammar(
     parallel_tool_calls: bool = True,
     thinking: bool = True,
     max_thinking_tokens: int | None = None,
+    num_ordinary_tokens: int = NUM_BPE_RANKS,
 ) -> str | None:
     """The llguidance grammar (Lark syntax) of a whole assistant reply to a request with these OpenAI fields, or
     None when nothing constrains it (`tool_choice` "none", "auto" or absent, and no JSON `response_format`).
@@ -230,6 +235,8 @@ def reply_grammar(
             always called once).
         thinking: whether the reply may open with a thinking block.
         max_thinking_tokens: the most tokens that block's text may take (None: unbounded; 0: no block).
+        num_ordinary_tokens: the tokenizer's BPE ids, 0.. below its first special token (o200k: all 199,998;
+            `first_special_id(tokenizer)`), which the thinking text may use.
 
     Raises:
         ValueError: a malformed or inconsistent request, with the field and the fix in the message (a server
@@ -307,7 +314,7 @@ def reply_grammar(
     if thinking and max_thinking_tokens != 0:
         count = "+" if max_thinking_tokens is None else f"{{1,{max_thinking_tokens}}}"
         rules.append(f"thinking: {CONTENT_THINKING} thinking_text {END_MESSAGE} {MESSAGE_MODEL}")
-        rules.append(f"thinking_text: {_ORDINARY_TOKEN}{count}")
+        rules.append(f"thinking_text: {_ordinary_token(num_ordinary_tokens)}{count}")
         start = "start: thinking? reply"
     else:
         start = "start: reply"

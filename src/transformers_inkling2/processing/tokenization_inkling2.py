@@ -78,9 +78,19 @@ _NAMED_SPECIAL_IDS = {
     200049: "content_invoke_tool_json",
     200057: "content_invoke_tool_text",
 }
-SPECIAL_TOKENS: dict[str, int] = {
-    f"<|{_NAMED_SPECIAL_IDS.get(i, f'unused_{i}')}|>": i for i in range(NUM_BPE_RANKS, NUM_BPE_RANKS + 60)
-}
+
+
+def special_tokens(first_id: int = NUM_BPE_RANKS) -> dict[str, int]:
+    """The 60 special tokens, spelled as Inkling-2 spells them, on ids `first_id`.. in the official order: right after
+    the BPE ranks (199998.. for o200k_base; a tokenizer that keeps only o200k's first ranks, as Inkling-2-Nano's,
+    moves them down with it, so the chat template and the reply grammar stay the same strings)."""
+    return {
+        f"<|{_NAMED_SPECIAL_IDS.get(i, f'unused_{i}')}|>": first_id + i - NUM_BPE_RANKS
+        for i in range(NUM_BPE_RANKS, NUM_BPE_RANKS + 60)
+    }
+
+
+SPECIAL_TOKENS: dict[str, int] = special_tokens()
 VOCAB_SIZE = NUM_BPE_RANKS + len(SPECIAL_TOKENS)  # 200058; the model pads its embedding to 201024
 
 EOS_TOKEN = "<|content_model_end_sampling|>"  # ends every model turn; the serving stop token
@@ -110,10 +120,16 @@ def load_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
 
 
 @functools.lru_cache(maxsize=2)
-def _build_backend_cached(path: str) -> Tokenizer:
+def _build_backend_cached(path: str, num_ranks: int = NUM_BPE_RANKS) -> Tokenizer:
     ranks = load_tiktoken_ranks(path)
     if len(ranks) != NUM_BPE_RANKS or sorted(ranks.values()) != list(range(NUM_BPE_RANKS)):
         raise ValueError(f"{path} is not o200k_base: expected ranks 0..{NUM_BPE_RANKS - 1}, got {len(ranks)}")
+    if not 256 <= num_ranks <= NUM_BPE_RANKS:
+        raise ValueError(f"num_ranks must be in [256, {NUM_BPE_RANKS}] (the 256 bytes come first), got {num_ranks}")
+    # The first `num_ranks` ranks are a BPE of their own: a token's two parts always rank below it, so every merge
+    # that makes a kept token uses kept tokens. On text whose o200k tokens all rank below `num_ranks` it gives
+    # o200k's ids; elsewhere it stops merging earlier (more, shorter tokens).
+    ranks = {token: rank for token, rank in ranks.items() if rank < num_ranks}
     # Byte-level alphabet (GPT-2's printable stand-ins for the 256 bytes), applied with one `str.translate`.
     byte_chars = bytes_to_unicode()
     as_str = {token: token.decode("latin-1").translate(byte_chars) for token in ranks}
@@ -141,9 +157,10 @@ def _build_backend_cached(path: str) -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # Added in id order, so they land on 199998..200057 right after the BPE ranks.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    assert all(tok.token_to_id(t) == i for t, i in SPECIAL_TOKENS.items()), "special token ids drifted"
+    # Added in id order, so they land right after the BPE ranks (199998..200057 for the whole of o200k).
+    specials = special_tokens(num_ranks)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    assert all(tok.token_to_id(t) == i for t, i in specials.items()), "special token ids drifted"
     return tok
 
 
@@ -222,9 +239,18 @@ class Inkling2Tokenizer(TokenizersBackend):
         return super().convert_to_native_format(trust_remote_code=trust_remote_code, **kwargs)
 
     @classmethod
-    def from_tiktoken(cls, path: str | os.PathLike | None = None, **kwargs) -> Inkling2Tokenizer:
-        """Build from an o200k_base `.tiktoken` file (default: the copy inside `tml-renderers`), offline."""
-        return cls(tokenizer_object=_build_backend_cached(os.fspath(path or default_tiktoken_path())), **kwargs)
+    def from_tiktoken(
+        cls, path: str | os.PathLike | None = None, num_ranks: int = NUM_BPE_RANKS, **kwargs
+    ) -> Inkling2Tokenizer:
+        """Build from an o200k_base `.tiktoken` file (default: the copy inside `tml-renderers`), offline; with
+        `num_ranks`, only o200k's first ranks (a smaller vocabulary; the special tokens follow them)."""
+        backend = _build_backend_cached(os.fspath(path or default_tiktoken_path()), num_ranks)
+        return cls(tokenizer_object=backend, **kwargs)
+
+
+def first_special_id(tokenizer) -> int:
+    """The id of the first special token, `<|unused|>`: the count of BPE ids before it (199,998 for o200k)."""
+    return tokenizer.convert_tokens_to_ids("<|unused|>")
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -285,9 +311,11 @@ def _with_parsed_arguments(conversation):
     return conversation
 
 
-def build_inkling2_tokenizer(path: str | os.PathLike | None = None, **kwargs) -> Inkling2Tokenizer:
+def build_inkling2_tokenizer(
+    path: str | os.PathLike | None = None, num_ranks: int = NUM_BPE_RANKS, **kwargs
+) -> Inkling2Tokenizer:
     """Module-level alias of `Inkling2Tokenizer.from_tiktoken`."""
-    return Inkling2Tokenizer.from_tiktoken(path, **kwargs)
+    return Inkling2Tokenizer.from_tiktoken(path, num_ranks, **kwargs)
 
 
 __all__ = [
@@ -302,6 +330,8 @@ __all__ = [
     "build_inkling2_backend",
     "build_inkling2_tokenizer",
     "decode_for_parsing",
+    "first_special_id",
     "load_tiktoken_ranks",
+    "special_tokens",
     "text_escape_normalizer",
 ]

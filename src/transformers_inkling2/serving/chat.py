@@ -226,6 +226,7 @@ class ChatCompletions:
         """The grammar processor for tool_choice "required" / named and json_object / json_schema, else none. The
         reasoning before a constrained reply gets at most half of max_tokens, so the reply itself has room."""
         from ..generation.constrained import GrammarLogitsProcessor, reply_grammar
+        from ..processing.tokenization_inkling2 import first_special_id
 
         tool_choice = request.tool_choice
         if tool_choice is not None and not isinstance(tool_choice, str):
@@ -239,6 +240,7 @@ class ChatCompletions:
                 response_format=response_format,
                 parallel_tool_calls=request.parallel_tool_calls is not False,
                 max_thinking_tokens=params.max_new_tokens // 2,
+                num_ordinary_tokens=first_special_id(self.tokenizer),
             )
         except ValueError as error:
             raise RequestError(str(error)[:1000], "response_format" if response_format else "tool_choice") from None

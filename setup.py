@@ -40,6 +40,7 @@ setup(
     # the `inkling2` command's argument parsing, outside the package so that `--help` loads no torch
     py_modules=["transformers_inkling2_cli"],
     package_data={
+        "transformers_inkling2.nano": ["checkpoint/*"],  # Inkling-2-Nano's weights, tokenizer and processor
         "transformers_inkling2.hub_kernels": [
             "inkling2_moe/build.toml",
             "inkling2_moe/README.md",

@@ -4,12 +4,13 @@ loads torch and transformers (seconds) that `--help` or a mistyped argument shou
 in `transformers_inkling2.cli`, imported once the arguments parse. (`python -m transformers_inkling2` runs this too,
 but only after importing the package.)
 
-    inkling2                                  generate with the embedded tiny model (no download)
+    inkling2                                  the embedded Inkling-2-Nano answers a question about a picture it draws
     inkling2 generate --model PATH --prompt "..." [--image PATH_OR_URL] [--max-new-tokens N] [--device cuda]
     inkling2 quantize BF16_CHECKPOINT TARGET [--mxfp8-from 40]          the official NVFP4 + MXFP8 layout
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
     inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--max-num-seqs 64]   a server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
+    inkling2 train-nano --output DIR [--steps 550] [--seed 0]     train Inkling-2-Nano, the embedded default (a GPU)
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("generate", "serve", "quantize", "plan", "train-dspark")
-DEFAULT_PROMPT = "Write one sentence about the sea."
+SUBCOMMANDS = ("generate", "serve", "quantize", "plan", "train-dspark", "train-nano")
 COMPILE_HELP = (
     "on a GPU, the decode steps replayed as CUDA graphs also run torch.compile'd: the fastest steps, after about "
     "half a minute of compiling per batch size and cache bucket (docs/attention.md)"
@@ -29,22 +29,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inkling2", description="Inkling-2-Small with Hugging Face transformers.")
     commands = parser.add_subparsers(dest="command")
     generate = commands.add_parser("generate", help="generate a reply to a prompt (the default command)")
-    generate.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
-    generate.add_argument("--prompt", default=DEFAULT_PROMPT)
+    generate.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded Inkling-2-Nano")
+    generate.add_argument(
+        "--prompt", help="default: a question about a picture drawn for this run (--seed picks it), which is printed"
+    )
     generate.add_argument("--image", help="an image (path or URL) to ask about")
-    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     generate.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--dspark", action="store_true", help="speculative decoding with the bundled DSpark drafter")
+    generate.add_argument(
+        "--dspark",
+        action="store_true",
+        help="speculative decoding with the bundled DSpark drafter; prints its accepted length and its speedup over "
+        "plain decoding of the same prompt",
+    )
     generate.add_argument(
         "--static-cache", action="store_true", help="decode over Inkling2StaticCache (generate()'s default on a GPU)"
     )
     generate.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/chat/completions, /v1/models)")
-    serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    serve.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded Inkling-2-Nano")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model-id", help="the name /v1/models reports (default: the checkpoint folder's name)")
@@ -73,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-step-tokens", type=int, default=2048, help="tokens one step runs (prompt chunks)")
     engine.add_argument("--dspark", action="store_true", help="rows also hold the config's DSpark drafter's context")
     train = commands.add_parser("train-dspark", help="distill the DSpark drafter from its frozen target on text")
-    train.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded tiny random model")
+    train.add_argument("--model", help="checkpoint folder or Hub id; default: the embedded Inkling-2-Nano")
     train.add_argument("--output", required=True, help="folder for the model with its trained drafter")
     train.add_argument("--corpus", nargs="*", help="text files (default: CPython's English documentation, pydoc_data)")
     train.add_argument("--steps", type=int, default=1000)
@@ -91,7 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (GPU when present)")
     train.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     train.add_argument("--seed", type=int, default=0)
+    add_train_nano(commands)
     return parser
+
+
+def add_train_nano(commands) -> None:
+    """`inkling2 train-nano`: its defaults are the shipped weights' (`nano.training.NANO_DEFAULTS`, repeated here so
+    that `--help` needs no torch; tests/nano checks they agree)."""
+    nano = commands.add_parser(
+        "train-nano", help="train Inkling-2-Nano (the embedded default model) from scratch: about 8 minutes on an H200"
+    )
+    nano.add_argument("--output", required=True, help="folder for the quantized checkpoint and training_report.json")
+    nano.add_argument("--steps", type=int, default=550, help="model training steps")
+    nano.add_argument("--batch-size", type=int, default=128, help="conversations per step")
+    nano.add_argument("--learning-rate", type=float, default=3e-3)
+    nano.add_argument("--drafter-steps", type=int, default=500, help="DSpark drafter training steps")
+    nano.add_argument("--seed", type=int, default=0)
+    nano.add_argument("--workers", type=int, default=8, help="processes drawing the training conversations")
+    nano.add_argument("--held-out", type=int, default=50, help="held-out examples of each kind to score at the end")
+    nano.add_argument("--device", default="auto", help="cuda (the shipped weights' device), cpu, ... or auto")
 
 
 def add_server_limits(serve: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""The `inkling2` command on the embedded tiny model."""
+"""The `inkling2` command on the embedded Inkling-2-Nano."""
 
 import subprocess
 import sys
@@ -11,12 +11,24 @@ from transformers_inkling2_cli import SUBCOMMANDS, build_parser, main
 HEAVY_MODULES = ("torch", "transformers", "triton", "transformers_inkling2")
 
 
-def test_main_job_generates_with_the_embedded_tiny_model(capsys):
+def test_main_job_generates_with_the_embedded_nano_model(capsys):
     main(["--max-new-tokens", "4", "--prompt", "Hello"])
     out = capsys.readouterr().out
-    assert "RANDOM weights" in out  # labelled as a random model
+    assert "[model] embedded Inkling-2-Nano" in out
     assert "[prompt] Hello" in out
     assert "4 new tokens" in out and "tokens/s" in out
+
+
+def test_main_job_asks_about_a_picture_it_draws_and_prints_the_answer(capsys):
+    """The default run: a scene drawn from --seed (printed with what it shows), a question about it, the streamed
+    reply (thinking, then the answer) and the parsed answer."""
+    main(["--seed", "1"])
+    out = capsys.readouterr().out
+    picture = out.split("[picture] ")[1].split("\n")[0]
+    assert "The picture shows" in picture and "picture.png" in picture
+    assert "[prompt] " in out and "<|content_thinking|>I see " in out
+    answer = out.split("[answer] ")[1].strip()
+    assert answer.startswith("The") and answer.endswith(".")
 
 
 def test_main_job_takes_an_image_through_the_pipeline(tmp_path, capsys):
@@ -38,8 +50,11 @@ def test_dspark_and_static_cache_flags_give_the_same_greedy_reply_through_the_im
     for flags in ([], ["--dspark"], ["--static-cache"], ["--dspark", "--static-cache", "--compile"]):
         main(["--max-new-tokens", "10", "--image", str(tmp_path / "grey.png"), *flags])
         out = capsys.readouterr().out
-        replies.append(out.split("[reply] ")[1].split("[speed]")[0])
-        assert "10 new tokens" in out
+        replies.append(out.split("[reply] ")[1].split("\n[")[0])
+        if "--dspark" in flags:
+            assert "[dspark] accepted length " in out and "speedup" in out
+        else:
+            assert "10 new tokens" in out
     assert replies[0] == replies[1] == replies[2] == replies[3]
 
 

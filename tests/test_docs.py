@@ -72,6 +72,7 @@ SKIP = {
     ("docs/serving.md", "inkling2 serve                "): "serves until stopped (blocks)",
     ("docs/serving.md", "inkling2 serve --model PATH --max-num-seqs 128"): "serves until stopped (blocks)",
     ("docs/serving.md", "inkling2 serve --model PATH --dspark"): "serves until stopped (blocks)",
+    ("docs/nano.md", "inkling2 serve"): "serves until stopped (blocks)",
     ("docs/serving.md", "client = OpenAI("): "a client of a running `inkling2 serve`; `tools=[...]` is a placeholder",
     ("docs/serving.md", "python -m pytest -q tests/serving"): "runs test files (CI runs them)",
     ("docs/conversations.md", "pytest tests/processing/test_chat_template.py"): "runs test files (CI runs them)",

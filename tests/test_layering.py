@@ -27,6 +27,7 @@ RANKS = {
     "serving": 8,
     "finetuning": 8,
     "tiny": 8,
+    "nano": 8,
     "cli": 9,
     "__main__": 10,
 }

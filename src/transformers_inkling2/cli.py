@@ -8,6 +8,8 @@ import time
 
 import torch
 
+DEFAULT_TEXT_PROMPT = "What does `len` do?"  # the main job's question to a checkpoint without an image processor
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -22,37 +24,39 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load(model_path: str | None, device: torch.device, dtype: torch.dtype):
-    """(model, processor, tokenizer) of a checkpoint, or the embedded tiny model with the real tokenizer, chat
-    template and image processor. The processor is None for a text-only checkpoint; the tokenizer is loaded once."""
+    """(model, processor, tokenizer) of a checkpoint, by default the embedded Inkling-2-Nano. The processor is None
+    for a text-only checkpoint; the tokenizer is loaded once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .nano import NANO_CHECKPOINT, NANO_LABEL
     from .processing.processing_inkling2 import Inkling2Processor
-    from .tiny import TINY_MODEL_LABEL, build_tiny_model, build_tiny_processor
 
-    print(f"[model] {TINY_MODEL_LABEL if model_path is None else model_path}", flush=True)
-    if model_path is None:
-        processor = build_tiny_processor()
-        return build_tiny_model(dspark=True).to(device=device, dtype=dtype), processor, processor.tokenizer
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device).eval()
+    print(f"[model] {NANO_LABEL if model_path is None else model_path}", flush=True)
+    path = model_path or NANO_CHECKPOINT
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval()
     try:
-        processor = Inkling2Processor.from_pretrained(model_path)
+        processor = Inkling2Processor.from_pretrained(path)
     except (OSError, ValueError):
-        return model, None, AutoTokenizer.from_pretrained(model_path)
+        return model, None, AutoTokenizer.from_pretrained(path)
     return model, processor, processor.tokenizer
 
 
 class CountingStreamer:
-    """Prints the reply as it is generated and counts its tokens."""
+    """Prints the reply as it is generated and keeps its token ids."""
 
     def __init__(self, tokenizer):
         from transformers import TextStreamer
 
         self.printer = TextStreamer(tokenizer, skip_prompt=True)
-        self.prompt_seen, self.new_tokens = False, 0
+        self.prompt_seen, self.new_ids = False, []
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.new_ids)
 
     def put(self, value):
         if self.prompt_seen:
-            self.new_tokens += value.numel()
+            self.new_ids += value.flatten().tolist()
         else:  # the prompt arrives once generate() has set up (and logged which path it takes)
             print("[reply] ", end="", flush=True)
         self.prompt_seen = True
@@ -72,10 +76,38 @@ def compile_config(args: argparse.Namespace):
     return CompileConfig()
 
 
+def picture_question(seed: int) -> tuple[str, str, str]:
+    """The main job's default question: (question, image file, what the picture shows) about a scene drawn for this
+    run from `seed` (a stream that Inkling-2-Nano's training never drew from)."""
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from .nano.scenes import ask, draw_scene
+
+    rng = random.Random(f"main-job-{seed}")
+    image, scene = draw_scene(rng)
+    _, question, _ = ask(scene, rng)
+    path = Path(tempfile.mkdtemp(prefix="inkling2-")) / "picture.png"
+    image.save(path)
+    return question, str(path), scene.description()
+
+
+def timed(device: torch.device, run):
+    start = time.perf_counter()
+    result = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
 def run_generate(args: argparse.Namespace) -> None:
     """One chat turn through transformers' pipeline ("image-text-to-text", or "text-generation" for a text-only
-    checkpoint), streamed, with its speed."""
+    checkpoint), streamed, with its speed; with `--dspark`, through `generate` twice (plain, then DSpark), to print the
+    drafter's accepted length and speedup. Without `--prompt`: a question about a picture drawn for the run."""
     from transformers import pipeline
+
+    from .processing.response_parsing import parse_response
 
     compile_steps = compile_config(args)
     device = resolve_device(args.device)
@@ -83,9 +115,14 @@ def run_generate(args: argparse.Namespace) -> None:
     model, processor, tokenizer = load(args.model, device, dtype)
     if args.image and processor is None:
         raise SystemExit(f"{args.model} has no image processor (preprocessor_config.json): it cannot take --image.")
-    content = [{"type": "text", "text": args.prompt}]
-    if args.image:
-        content.insert(0, {"type": "image", "url" if "://" in args.image else "path": args.image})
+    prompt, image = args.prompt, args.image
+    if prompt is None and image is None and processor is not None:
+        prompt, image, truth = picture_question(args.seed)
+        print(f"[picture] drawn for this run (--seed {args.seed}), saved as {image}: {truth}", flush=True)
+    prompt = prompt or DEFAULT_TEXT_PROMPT
+    content = [{"type": "text", "text": prompt}]
+    if image:
+        content.insert(0, {"type": "image", "url" if "://" in image else "path": image})
     messages = [{"role": "user", "content": content}]
     torch.manual_seed(args.seed)
     streamer = CountingStreamer(tokenizer)
@@ -95,27 +132,48 @@ def run_generate(args: argparse.Namespace) -> None:
         temperature=args.temperature if args.sample else None,
         top_p=None,
         top_k=None,
-        streamer=streamer,
-        dspark=args.dspark,
         cache_implementation="static" if args.static_cache else None,
         compile_config=compile_steps,
     )
-    if processor is not None:  # the two pipelines name their inputs and generation arguments differently
-        generator = pipeline("image-text-to-text", model=model, processor=processor)
-        call = dict(text=messages, generate_kwargs=generation)
+    print(f"[prompt] {prompt}" + (f" [image: {image}]" if image else ""), flush=True)
+    if args.dspark:
+        dspark_turn(model, processor or tokenizer, messages, generation, streamer, device, args.seed)
     else:
-        generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-        call = dict(text_inputs=messages, **generation)
+        if processor is not None:  # the two pipelines name their inputs and generation arguments differently
+            generator = pipeline("image-text-to-text", model=model, processor=processor)
+            call = dict(text=messages, generate_kwargs=dict(generation, streamer=streamer))
+        else:
+            generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+            call = dict(text_inputs=messages, streamer=streamer, **generation)
+        _, elapsed = timed(device, lambda: generator(**call))
+        print(
+            f"[speed] {streamer.new_tokens} new tokens in {elapsed:.2f} s: {streamer.new_tokens / elapsed:.1f} tokens/s "
+            f"({device.type}, {str(dtype).removeprefix('torch.')}, prompt processing included)"
+        )
+    message = parse_response(streamer.new_ids, tokenizer)
+    for call in message["tool_calls"]:
+        print(f"[tool call] {call['function']['name']}({call['function']['arguments']})")
+    print(f"[answer] {message['content']}")
 
-    print(f"[prompt] {args.prompt}" + (f" [image: {args.image}]" if args.image else ""), flush=True)
-    start = time.perf_counter()
-    generator(**call)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
+
+def dspark_turn(model, processor, messages, generation: dict, streamer, device, seed: int) -> None:
+    """The turn decoded plainly (timed, not printed), then with the DSpark drafter (streamed): accepted length and
+    speedup. Greedy DSpark is lossless, so both write the same reply; sampled, they write different ones, so the
+    speedup compares tokens per second."""
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    ).to(model.device)
+    prompt_length = inputs["input_ids"].shape[1]
+    torch.manual_seed(seed)
+    plain, plain_s = timed(device, lambda: model.generate(**inputs, **generation))
+    torch.manual_seed(seed)
+    drafted, dspark_s = timed(device, lambda: model.generate(
+        **inputs, **generation, dspark=True, return_dict_in_generate=True, streamer=streamer))  # fmt: skip
+    plain_rate = (plain.shape[1] - prompt_length) / plain_s
+    dspark_rate = streamer.new_tokens / dspark_s
     print(
-        f"\n[speed] {streamer.new_tokens} new tokens in {elapsed:.2f} s: {streamer.new_tokens / elapsed:.1f} tokens/s "
-        f"({device.type}, {str(dtype).removeprefix('torch.')}, prompt processing included)"
+        f"[dspark] accepted length {drafted.mean_accepted_length:.2f} tokens per step ({drafted.num_steps} steps); "
+        f"{dspark_rate:.1f} tokens/s against {plain_rate:.1f} plain: speedup {dspark_rate / plain_rate:.2f}x"
     )
 
 
@@ -172,7 +230,7 @@ def run_serve(args: argparse.Namespace) -> None:
     effort = args.effort
     if effort is not None and effort.replace(".", "", 1).isdigit():
         effort = float(effort)
-    model_id = args.model_id or (args.model.rstrip("/").split("/")[-1] if args.model else "inkling2-tiny-random")
+    model_id = args.model_id or (args.model.rstrip("/").split("/")[-1] if args.model else "inkling2-nano")
     try:  # bad flags fail before the model loads
         settings = server_settings(args, model_id, effort)
     except ValueError as error:
@@ -244,10 +302,31 @@ def run_train_dspark(args: argparse.Namespace) -> None:
     print(f"[train-dspark] loss {losses[0]:.3f} -> {losses[-1]:.3f}; wrote {args.output}")
 
 
+def run_train_nano(args: argparse.Namespace) -> None:
+    import json
+
+    from .nano.training import train_nano
+
+    report = train_nano(
+        args.output,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        drafter_steps=args.drafter_steps,
+        seed=args.seed,
+        device=resolve_device(args.device),
+        workers=args.workers,
+        held_out=args.held_out,
+    )
+    summary = {name: value for name, value in report.items() if not name.endswith("failures")}
+    print(f"[train-nano] wrote {args.output}\n{json.dumps(summary, indent=2)}")
+
+
 COMMANDS = {
     "generate": run_generate,
     "serve": run_serve,
     "quantize": run_quantize,
     "plan": run_plan,
     "train-dspark": run_train_dspark,
+    "train-nano": run_train_nano,
 }

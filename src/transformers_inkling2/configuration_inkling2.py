@@ -20,7 +20,8 @@ EXPERT_FORMATS = ("bf16", "nvfp4", "mxfp8")
 
 
 def default_layer_types(num_hidden_layers: int, full_attention_every: int = 6) -> list[str]:
-    """Every sixth layer (5, 11, ..., 47) attends globally; the others use the sliding window."""
+    """Every `full_attention_every`-th layer attends globally (by default the sixth: 5, 11, ..., 47); the others use
+    the sliding window."""
     return [FULL_LAYER if (i + 1) % full_attention_every == 0 else SLIDING_LAYER for i in range(num_hidden_layers)]
 
 

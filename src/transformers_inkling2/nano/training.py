@@ -1,0 +1,217 @@
+"""`inkling2 train-nano`: trains Inkling-2-Nano from scratch with the package's own model classes, then its DSpark
+drafter, quantizes its experts to the official layout and checks it on held-out data.
+
+1. The model: Inkling-2-Small's architecture at toy width (`nano_config`): 8 layers (two of them full attention),
+   relative bias, the four convolutions, attention residuals over blocks of 4 layers, 8 routed experts (top-2), a
+   4-layer ViT; a tokenizer that keeps o200k's first 8,192 ranks and the 60 special tokens (the whole o200k
+   embedding alone, 200k rows, would not fit the 30 MB budget).
+2. Next-token loss on what the model writes in the conversations of `data.py` (AdamW, bf16 autocast, fixed seeds).
+3. The DSpark drafter, distilled from the frozen model on text conversations (`dspark.training`).
+4. `save_pretrained` in BF16, then `quantize_checkpoint`: experts NVFP4 in layers 0-5 and MXFP8 in 6-7, as
+   Inkling-2-Small's 0-39 and 40-47.
+5. `training_report.json` beside the weights: the losses, the time per phase and the held-out scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.utils.logging import tqdm
+
+from ..configuration_inkling2 import Inkling2Config, default_layer_types
+
+NANO_NUM_RANKS = 8192  # o200k's first ranks that Nano's tokenizer keeps
+NANO_VOCAB_ROWS = 8256  # 8,192 ranks + 60 special tokens, padded to a multiple of 64
+NANO_MXFP8_FROM = 6  # layers 0-5 NVFP4, 6-7 MXFP8
+NANO_DEFAULTS = dict(steps=550, batch_size=128, learning_rate=3e-3, drafter_steps=500, drafter_batch_size=32,
+                     drafter_window=256, seed=0)  # fmt: skip
+
+
+def build_nano_processor():
+    """The tokenizer (o200k's first 8,192 ranks, the 60 special tokens, the chat template) and image processor."""
+    from ..processing.image_processing_inkling2 import Inkling2ImageProcessor
+    from ..processing.processing_inkling2 import Inkling2Processor
+    from ..processing.tokenization_inkling2 import build_inkling2_tokenizer
+
+    tokenizer = build_inkling2_tokenizer(num_ranks=NANO_NUM_RANKS)
+    return Inkling2Processor(image_processor=Inkling2ImageProcessor(), tokenizer=tokenizer)
+
+
+def nano_config(tokenizer) -> Inkling2Config:
+    """Inkling-2-Small's architecture at toy width, with the token ids of `tokenizer`."""
+    text = dict(
+        vocab_size=NANO_VOCAB_ROWS,
+        unpadded_vocab_size=len(tokenizer),
+        hidden_size=256,
+        num_hidden_layers=8,
+        layer_types=default_layer_types(8, full_attention_every=4),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=64,
+        sliding_window_size=128,
+        rel_extent=128,
+        d_rel=8,
+        moe_intermediate_size=192,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_layers_per_attn_res_block=4,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, projection_hidden_dim=512,
+                  text_hidden_size=256)  # fmt: skip
+    image_token_id = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
+    return Inkling2Config(text_config=text, vision_config=vision, image_token_id=image_token_id)
+
+
+def learning_rate_schedule(steps: int, warmup: int):
+    """Linear warm-up, then cosine decay to a tenth."""
+    return lambda step: min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1))))
+
+
+def written_token_loss(model, batch: dict) -> torch.Tensor:
+    """Cross-entropy on the tokens the model writes (labels other than -100), with logits computed only there: most
+    tokens are prompts, and fp32 logits over the whole batch would cost more than the rest of the step."""
+    labels = batch["labels"]
+    inputs = {name: value for name, value in batch.items() if name != "labels"}
+    hidden = model.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
+    targets = labels[:, 1:]
+    written = targets != -100
+    logits = model.compute_logits(hidden[:, :-1][written][None])[0]
+    return F.cross_entropy(logits, targets[written])
+
+
+def train_language_model(model, processor, steps: int, batch_size: int, learning_rate: float, seed: int,
+                         workers: int) -> list[float]:  # fmt: skip
+    """Next-token loss on the conversations of stream `train-{seed}`; returns every step's loss."""
+    from .data import ConversationDataset, collate
+
+    device = model.device
+    loader = torch.utils.data.DataLoader(
+        ConversationDataset(processor, f"train-{seed}", steps * batch_size),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=functools.partial(collate, pad_token_id=processor.tokenizer.pad_token_id),
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+    )
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=learning_rate, betas=(0.9, 0.95))  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_schedule(steps, max(1, steps // 20)))
+    model.train()
+    losses = []
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    progress = tqdm(loader, desc="training Inkling-2-Nano", total=steps)
+    for batch in progress:
+        batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+        with autocast:
+            loss = written_token_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if len(losses) % 50 == 0:
+            progress.set_postfix(loss=f"{sum(losses[-50:]) / 50:.3f}")
+    model.eval()
+    return losses
+
+
+def drafter_text(processor, seed: int, conversations: int, workers: int) -> torch.LongTensor:
+    """One token stream of text conversations (tool use and documentation), for the drafter's windows."""
+    from .data import ConversationDataset
+
+    dataset = ConversationDataset(processor, f"train-{seed}-drafter", conversations, kinds={"tool": 0.5, "prose": 0.5})
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
+    return torch.cat([example["input_ids"] for example in loader])
+
+
+def train_nano_drafter(model, processor, steps: int, batch_size: int, window: int, seed: int, workers: int):
+    from ..dspark.training import attach_new_drafter, default_dspark_config, token_windows, train_dspark
+
+    text_config = model.config.get_text_config()
+    config = default_dspark_config(text_config, num_draft_layers=1, markov_rank=64, intermediate_size=512)
+    attach_new_drafter(model, config, seed=seed)
+    stream = drafter_text(processor, seed, max(2000, steps * batch_size * window // 400), workers)
+    batches = token_windows(stream, window, batch_size, seed, model.device)
+    return train_dspark(model, batches, steps, learning_rate=3e-3, anchors_per_window=32, seed=seed)
+
+
+def evaluate_nano(model, processor, count: int = 50) -> dict:
+    from .evaluation import dspark_accepted_length, scene_accuracy, tool_accuracy
+
+    scenes, tools = scene_accuracy(model, processor, count), tool_accuracy(model, processor, count)
+    return {
+        "scene_accuracy": scenes.accuracy,
+        "tool_accuracy": tools.accuracy,
+        "dspark_accepted_length_t0": dspark_accepted_length(model, processor, 0.0),
+        "dspark_accepted_length_t1": dspark_accepted_length(model, processor, 1.0),
+        "scene_failures": scenes.failures[:10],
+        "tool_failures": tools.failures[:10],
+    }
+
+
+def train_nano(output: str | Path, steps: int = NANO_DEFAULTS["steps"], batch_size: int = NANO_DEFAULTS["batch_size"],
+               learning_rate: float = NANO_DEFAULTS["learning_rate"],
+               drafter_steps: int = NANO_DEFAULTS["drafter_steps"],
+               drafter_batch_size: int = NANO_DEFAULTS["drafter_batch_size"],
+               drafter_window: int = NANO_DEFAULTS["drafter_window"], seed: int = NANO_DEFAULTS["seed"],
+               device: str | torch.device = "cuda", workers: int = 8, held_out: int = 50) -> dict:  # fmt: skip
+    """Trains, quantizes and saves Inkling-2-Nano to `output`; returns the report it writes there (with the scores on
+    `held_out` examples of each kind; 0: none)."""
+    from ..modeling.modeling_inkling2 import Inkling2ForConditionalGeneration
+    from ..quantization.quantize import quantize_checkpoint
+    from . import load_nano
+
+    output, device = Path(output), torch.device(device)
+    timings, started = {}, time.perf_counter()
+    torch.manual_seed(seed)
+    processor = build_nano_processor()
+    model = Inkling2ForConditionalGeneration(nano_config(processor.tokenizer)).to(device)
+    losses = train_language_model(model, processor, steps, batch_size, learning_rate, seed, workers)
+    timings["model_s"] = time.perf_counter() - started
+    drafter_losses = train_nano_drafter(model, processor, drafter_steps, drafter_batch_size, drafter_window, seed,
+                                        workers)  # fmt: skip
+    timings["drafter_s"] = time.perf_counter() - started - timings["model_s"]
+    model.generation_config.eos_token_id = processor.tokenizer.eos_token_id
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    with tempfile.TemporaryDirectory() as bf16:
+        model.to(torch.bfloat16).save_pretrained(bf16)
+        processor.save_pretrained(bf16)
+        if output.exists():
+            shutil.rmtree(output)
+        quantize_checkpoint(bf16, output, mxfp8_from=NANO_MXFP8_FROM)
+    report = {
+        "command": f"inkling2 train-nano --output {output.name} --steps {steps} --seed {seed}",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "steps": steps, "batch_size": batch_size, "learning_rate": learning_rate,
+        "drafter_steps": drafter_steps, "seed": seed,
+        "loss_every_100_steps": [round(sum(losses[i:i + 100]) / len(losses[i:i + 100]), 4)
+                                 for i in range(0, len(losses), 100)],
+        "drafter_loss_first_last": [round(drafter_losses[0], 4), round(drafter_losses[-1], 4)],
+        "checkpoint_bytes": sum(f.stat().st_size for f in output.iterdir()),
+    }  # fmt: skip
+    if held_out:  # the shipped (quantized) weights, as users load them
+        shipped, _ = load_nano(device, path=output)
+        report.update(evaluate_nano(shipped, processor, held_out))
+    timings["total_s"] = time.perf_counter() - started
+    report["timings"] = {name: round(value, 1) for name, value in timings.items()}
+    (output / "training_report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report

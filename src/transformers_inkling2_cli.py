@@ -116,6 +116,12 @@ def add_train_nano(commands) -> None:
     nano.add_argument("--seed", type=int, default=0)
     nano.add_argument("--workers", type=int, default=8, help="processes drawing the training conversations")
     nano.add_argument("--held-out", type=int, default=50, help="held-out examples of each kind to score at the end")
+    nano.add_argument(
+        "--max-minutes",
+        type=float,
+        help="stop the model's training after this long and save its state beside --output; the same command again "
+        "continues exactly where it stopped (for machines that run a command for a limited time)",
+    )
     nano.add_argument("--device", default="auto", help="cuda (the shipped weights' device), cpu, ... or auto")
 
 

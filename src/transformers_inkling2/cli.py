@@ -317,7 +317,12 @@ def run_train_nano(args: argparse.Namespace) -> None:
         device=resolve_device(args.device),
         workers=args.workers,
         held_out=args.held_out,
+        max_minutes=args.max_minutes,
     )
+    if "paused_at_step" in report:
+        print(f"[train-nano] paused at step {report['paused_at_step']} of {report['steps']} (state in "
+              f"{report['state']}): run the same command again to continue")  # fmt: skip
+        return
     summary = {name: value for name, value in report.items() if not name.endswith("failures")}
     print(f"[train-nano] wrote {args.output}\n{json.dumps(summary, indent=2)}")
 

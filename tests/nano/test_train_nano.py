@@ -1,5 +1,6 @@
-"""`inkling2 train-nano` end to end at toy size on the CPU: it trains, distills the drafter, quantizes and writes a
-checkpoint that loads and answers; its command-line defaults are the shipped weights' recipe."""
+"""`inkling2 train-nano` end to end at toy size on the CPU: it trains (pausing and resuming exactly), distills the
+drafter, quantizes and writes a checkpoint that loads and answers; its command-line defaults are the shipped weights'
+recipe."""
 
 import json
 
@@ -19,11 +20,14 @@ def test_train_nano_writes_a_quantized_checkpoint_with_its_drafter_and_report(tm
     from transformers_inkling2.nano import load_nano
 
     out = tmp_path / "nano"
-    main(["train-nano", "--output", str(out), "--steps", "3", "--batch-size", "4", "--drafter-steps", "2",
-          "--workers", "0", "--held-out", "0", "--device", "cpu"])  # fmt: skip
-    assert f"wrote {out}" in capsys.readouterr().out
+    command = ["train-nano", "--output", str(out), "--steps", "3", "--batch-size", "4", "--drafter-steps", "2",
+               "--workers", "0", "--held-out", "0", "--device", "cpu"]  # fmt: skip
+    main([*command, "--max-minutes", "0"])  # a machine that runs commands for a limited time: pause, then again
+    assert "paused at step 1 of 3" in capsys.readouterr().out and not out.exists()
+    main(command)
+    assert f"wrote {out}" in capsys.readouterr().out and not (tmp_path / "nano.partial").exists()
     report = json.loads((out / "training_report.json").read_text())
-    assert report["steps"] == 3 and len(report["loss_every_100_steps"]) == 1 and report["timings"]["total_s"] > 0
+    assert report["steps"] == 3 and report["invocations"] == 2 and report["timings"]["model_s"] > 0
     formats = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
     assert sorted({entry["quant_algo"] for entry in formats.values()}) == ["MXFP8", "NVFP4"]
     assert all((entry["quant_algo"] == "NVFP4") == (int(name.split(".")[-3]) < NANO_MXFP8_FROM)
@@ -34,3 +38,26 @@ def test_train_nano_writes_a_quantized_checkpoint_with_its_drafter_and_report(tm
                                            tokenize=True, return_dict=True, return_tensors="pt")  # fmt: skip
     assert model.generate(**inputs, max_new_tokens=3, do_sample=False).shape[1] == inputs["input_ids"].shape[1] + 3
     assert torch.isfinite(model(**inputs).logits).all()
+
+
+def test_a_paused_run_resumed_trains_exactly_as_one_that_never_stopped(tmp_path):
+    """Each invocation builds the model afresh, as `train_nano` does; a deadline already past pauses after one step."""
+    from transformers_inkling2 import Inkling2ForConditionalGeneration
+    from transformers_inkling2.nano.training import build_nano_processor, nano_config, train_language_model
+
+    processor = build_nano_processor()
+
+    def train(state, deadline=None):
+        torch.manual_seed(0)
+        model = Inkling2ForConditionalGeneration(nano_config(processor.tokenizer))
+        return model, train_language_model(model, processor, 3, 2, 1e-3, 0, 0, state, deadline)
+
+    straight, done = train(tmp_path / "straight")
+    assert done.step == 3 and not (tmp_path / "straight").exists()  # nothing saved when nothing paused
+    for step in (1, 2):
+        _, paused = train(tmp_path / "paused", deadline=0.0)
+        assert paused.step == step and (tmp_path / "paused" / "training.pt").exists()
+    resumed, finished = train(tmp_path / "paused")
+    assert finished.step == 3 and finished.invocations == 3 and finished.losses == done.losses
+    for name, tensor in straight.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name

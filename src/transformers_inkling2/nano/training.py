@@ -21,6 +21,7 @@ import platform
 import shutil
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -94,30 +95,59 @@ def written_token_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits, targets[written])
 
 
+@dataclass
+class Progress:
+    """Where a paused `train-nano` stands (`progress.json` in the state folder, beside `training.pt`)."""
+
+    step: int = 0
+    losses: list = field(default_factory=list)
+    seconds: float = 0.0  # spent on the model in earlier invocations
+    invocations: int = 0
+
+    @classmethod
+    def load(cls, state: Path) -> Progress:
+        file = state / "progress.json"
+        return cls(**json.loads(file.read_text())) if file.exists() else cls()
+
+    def save(self, state: Path) -> None:
+        (state / "progress.json").write_text(json.dumps(asdict(self)))
+
+
 def train_language_model(model, processor, steps: int, batch_size: int, learning_rate: float, seed: int,
-                         workers: int) -> list[float]:  # fmt: skip
-    """Next-token loss on the conversations of stream `train-{seed}`; returns every step's loss."""
+                         workers: int, state: Path, deadline: float | None = None) -> Progress:  # fmt: skip
+    """Next-token loss on the conversations of stream `train-{seed}`, from where `state` (a folder) says an earlier
+    invocation stopped. Step s trains on examples [s * batch_size, (s + 1) * batch_size) whatever the invocation,
+    and the optimizer and schedule are saved with the weights, so a run paused at `deadline` (`time.monotonic()`)
+    and resumed trains exactly as one that never stopped. Returns the progress (`step == steps` once finished)."""
     from .data import ConversationDataset, collate
 
+    progress = Progress.load(state)
+    progress.invocations += 1
     device = model.device
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=learning_rate, betas=(0.9, 0.95))  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_schedule(steps, max(1, steps // 20)))
+    if progress.step:
+        saved = torch.load(state / "training.pt", map_location=device, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+    examples = ConversationDataset(processor, f"train-{seed}", steps * batch_size)
     loader = torch.utils.data.DataLoader(
-        ConversationDataset(processor, f"train-{seed}", steps * batch_size),
+        torch.utils.data.Subset(examples, range(progress.step * batch_size, steps * batch_size)),
         batch_size=batch_size,
         num_workers=workers,
         collate_fn=functools.partial(collate, pad_token_id=processor.tokenizer.pad_token_id),
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers else None,
     )
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=learning_rate, betas=(0.9, 0.95))  # fmt: skip
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_schedule(steps, max(1, steps // 20)))
     model.train()
-    losses = []
+    started = time.perf_counter()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    progress = tqdm(loader, desc="training Inkling-2-Nano", total=steps)
-    for batch in progress:
+    bar = tqdm(loader, desc="training Inkling-2-Nano", total=steps, initial=progress.step)
+    for batch in bar:
         batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
         with autocast:
             loss = written_token_loss(model, batch)
@@ -126,11 +156,21 @@ def train_language_model(model, processor, steps: int, batch_size: int, learning
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        losses.append(float(loss.detach()))
-        if len(losses) % 50 == 0:
-            progress.set_postfix(loss=f"{sum(losses[-50:]) / 50:.3f}")
+        progress.losses.append(float(loss.detach()))
+        progress.step += 1
+        if progress.step % 50 == 0:
+            bar.set_postfix(loss=f"{sum(progress.losses[-50:]) / 50:.3f}")
+        if deadline is not None and time.monotonic() > deadline and progress.step < steps:
+            break
+    bar.close()
     model.eval()
-    return losses
+    progress.seconds += time.perf_counter() - started
+    if progress.step < steps:
+        state.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict()}, state / "training.pt")  # fmt: skip
+        progress.save(state)
+    return progress
 
 
 def drafter_text(processor, seed: int, conversations: int, workers: int) -> torch.LongTensor:
@@ -172,23 +212,29 @@ def train_nano(output: str | Path, steps: int = NANO_DEFAULTS["steps"], batch_si
                drafter_steps: int = NANO_DEFAULTS["drafter_steps"],
                drafter_batch_size: int = NANO_DEFAULTS["drafter_batch_size"],
                drafter_window: int = NANO_DEFAULTS["drafter_window"], seed: int = NANO_DEFAULTS["seed"],
-               device: str | torch.device = "cuda", workers: int = 8, held_out: int = 50) -> dict:  # fmt: skip
+               device: str | torch.device = "cuda", workers: int = 8, held_out: int = 50,
+               max_minutes: float | None = None) -> dict:  # fmt: skip
     """Trains, quantizes and saves Inkling-2-Nano to `output`; returns the report it writes there (with the scores on
-    `held_out` examples of each kind; 0: none)."""
+    `held_out` examples of each kind; 0: none). With `max_minutes`, the model's training stops after that many
+    minutes, saves its state in `OUTPUT.partial/` and returns `{"paused_at_step": ..., "steps": ...}`; the same call
+    again continues from there (once the model is trained, the drafter and the rest run in one go)."""
     from ..modeling.modeling_inkling2 import Inkling2ForConditionalGeneration
     from ..quantization.quantize import quantize_checkpoint
     from . import load_nano
 
     output, device = Path(output), torch.device(device)
-    timings, started = {}, time.perf_counter()
+    state = output.with_name(output.name + ".partial")
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     torch.manual_seed(seed)
     processor = build_nano_processor()
     model = Inkling2ForConditionalGeneration(nano_config(processor.tokenizer)).to(device)
-    losses = train_language_model(model, processor, steps, batch_size, learning_rate, seed, workers)
-    timings["model_s"] = time.perf_counter() - started
+    progress = train_language_model(model, processor, steps, batch_size, learning_rate, seed, workers, state, deadline)
+    if progress.step < steps:
+        return {"paused_at_step": progress.step, "steps": steps, "state": str(state)}
+    started = time.perf_counter()
     drafter_losses = train_nano_drafter(model, processor, drafter_steps, drafter_batch_size, drafter_window, seed,
                                         workers)  # fmt: skip
-    timings["drafter_s"] = time.perf_counter() - started - timings["model_s"]
+    drafter_seconds = time.perf_counter() - started
     model.generation_config.eos_token_id = processor.tokenizer.eos_token_id
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     with tempfile.TemporaryDirectory() as bf16:
@@ -197,21 +243,22 @@ def train_nano(output: str | Path, steps: int = NANO_DEFAULTS["steps"], batch_si
         if output.exists():
             shutil.rmtree(output)
         quantize_checkpoint(bf16, output, mxfp8_from=NANO_MXFP8_FROM)
+    losses = progress.losses
     report = {
         "command": f"inkling2 train-nano --output {output.name} --steps {steps} --seed {seed}",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "steps": steps, "batch_size": batch_size, "learning_rate": learning_rate,
-        "drafter_steps": drafter_steps, "seed": seed,
+        "drafter_steps": drafter_steps, "seed": seed, "invocations": progress.invocations,
         "loss_every_100_steps": [round(sum(losses[i:i + 100]) / len(losses[i:i + 100]), 4)
                                  for i in range(0, len(losses), 100)],
         "drafter_loss_first_last": [round(drafter_losses[0], 4), round(drafter_losses[-1], 4)],
         "checkpoint_bytes": sum(f.stat().st_size for f in output.iterdir()),
+        "timings": {"model_s": round(progress.seconds, 1), "drafter_s": round(drafter_seconds, 1)},
     }  # fmt: skip
     if held_out:  # the shipped (quantized) weights, as users load them
         shipped, _ = load_nano(device, path=output)
         report.update(evaluate_nano(shipped, processor, held_out))
-    timings["total_s"] = time.perf_counter() - started
-    report["timings"] = {name: round(value, 1) for name, value in timings.items()}
     (output / "training_report.json").write_text(json.dumps(report, indent=2, default=str))
+    shutil.rmtree(state, ignore_errors=True)
     return report

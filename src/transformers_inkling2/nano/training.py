@@ -183,11 +183,14 @@ def drafter_text(processor, seed: int, conversations: int, workers: int) -> torc
 
 
 def train_nano_drafter(model, processor, steps: int, batch_size: int, window: int, seed: int, workers: int):
+    """A one-layer DSpark drafter (Markov rank 64) distilled from the trained, frozen model on random windows of a
+    stream of text conversations; returns its losses."""
     from ..dspark.training import attach_new_drafter, default_dspark_config, token_windows, train_dspark
 
     text_config = model.config.get_text_config()
     config = default_dspark_config(text_config, num_draft_layers=1, markov_rank=64, intermediate_size=512)
     attach_new_drafter(model, config, seed=seed)
+    # about as many tokens as the windows read (a conversation has some 400), so that windows seldom repeat
     stream = drafter_text(processor, seed, max(2000, steps * batch_size * window // 400), workers)
     batches = token_windows(stream, window, batch_size, seed, model.device)
     return train_dspark(model, batches, steps, learning_rate=3e-3, anchors_per_window=32, seed=seed)

@@ -1,12 +1,12 @@
 """LoRA fine-tuning of Inkling2 with PEFT, offline, on a small English corpus that ships with Python.
 
 The corpus is CPython's `pydoc_data.topics`: the text `help()` prints for keywords and topics, about 465,000
-characters of the Python language reference, present in every CPython install. It is tokenized with the real
-Inkling2 tokenizer and cut into fixed-length blocks; the last few blocks are held out to measure the loss.
+characters of the Python language reference, present in every CPython install. It is tokenized with the model's
+tokenizer and cut into fixed-length blocks; the last few blocks are held out to measure the loss.
 
-    python examples/finetune_lora.py                      # the embedded tiny model (random weights), attention LoRA
-    python examples/finetune_lora.py --expert-lora        # ... plus LoRA on its BF16 routed experts
-    python examples/finetune_lora.py --quantized          # an NVFP4 + MXFP8 copy of it, attention-only LoRA
+    python examples/finetune_lora.py                      # the embedded Inkling-2-Nano (NVFP4 + MXFP8), attention LoRA
+    python examples/finetune_lora.py --expert-lora        # the random tiny model, LoRA on attention and its BF16 experts
+    python examples/finetune_lora.py --quantized          # an NVFP4 + MXFP8 copy of the tiny model, attention-only LoRA
     python examples/finetune_lora.py --model PATH --device cuda --steps 1000 --seq-len 2048 --gradient-checkpointing
 
 The adapter is written with `save_pretrained` (default folder `inkling2-lora/`). Load it onto the same base model
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import transformers_inkling2  # noqa: F401  (registers the Inkling2 classes with transformers)
 from transformers_inkling2.finetuning import (
@@ -33,6 +33,7 @@ from transformers_inkling2.finetuning import (
     EXPERT_LORA_TARGET_PARAMETERS,
     refuse_lora_on_quantized_experts,
 )
+from transformers_inkling2.nano import NANO_CHECKPOINT, NANO_LABEL
 from transformers_inkling2.processing.tokenization_inkling2 import build_inkling2_tokenizer
 from transformers_inkling2.quantization.quantize import quantize_checkpoint
 from transformers_inkling2.tiny import TINY_MODEL_LABEL, build_tiny_causal_lm
@@ -48,10 +49,19 @@ def corpus_blocks(tokenizer, seq_len: int) -> torch.Tensor:
     return ids[: blocks * seq_len].view(blocks, seq_len)
 
 
+def uses_tiny_model(args) -> bool:
+    """`--expert-lora` and `--quantized` without `--model` need BF16 experts, which Inkling-2-Nano (shipped quantized)
+    has not: they take the random tiny model."""
+    return args.model is None and (args.expert_lora or args.quantized)
+
+
 def load_model(args, workdir: Path):
-    """`--model`, or the embedded tiny model; with `--quantized`, a mixed NVFP4 / MXFP8 copy of the tiny model."""
-    if args.model is not None:
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, device_map=args.device)
+    """`--model`, the embedded Inkling-2-Nano, or (`uses_tiny_model`) the random tiny model; with `--quantized`, a
+    mixed NVFP4 / MXFP8 copy of the tiny model."""
+    if args.model is not None or not uses_tiny_model(args):
+        print(f"model: {args.model or NANO_LABEL}")
+        return AutoModelForCausalLM.from_pretrained(args.model or NANO_CHECKPOINT, dtype=args.dtype,
+                                                    device_map=args.device)  # fmt: skip
     print(f"model: {TINY_MODEL_LABEL}")
     model = build_tiny_causal_lm(seed=args.seed)
     if not args.quantized:
@@ -96,16 +106,18 @@ def held_out_loss(model, blocks: torch.Tensor, batch_size: int, device) -> float
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a checkpoint folder or Hub id (default: the embedded tiny model)")
+    parser.add_argument("--model", help="a checkpoint folder or Hub id (default: the embedded Inkling-2-Nano)")
     parser.add_argument("--quantized", action="store_true",
                         help="fine-tune an NVFP4 + MXFP8 copy of the tiny model (attention-only LoRA)")
-    parser.add_argument("--expert-lora", action="store_true", help="also adapt the routed experts (BF16 experts only)")
+    parser.add_argument("--expert-lora", action="store_true",
+                        help="also adapt the routed experts (BF16 experts only: --model, or the random tiny model)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help='"cpu", "cuda", "cuda:N", or "auto" to spread --model over the visible GPUs')
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, help="default: 1e-2 for the tiny random model, 1e-4 for --model")
+    parser.add_argument("--lr", type=float,
+                        help="default: 1e-2 for the tiny random model, 1e-3 for Inkling-2-Nano, 1e-4 for --model")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--log-every", type=int, default=5)
@@ -119,13 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "auto" and args.model is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    args.lr = args.lr or (1e-2 if args.model is None else 1e-4)
+    args.lr = args.lr or (1e-4 if args.model else 1e-2 if uses_tiny_model(args) else 1e-3)
     torch.manual_seed(args.seed)
     # PEFT 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias: noise, not a problem of this run
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
     started = time.perf_counter()
-    tokenizer = build_inkling2_tokenizer()
+    nano = args.model is None and not uses_tiny_model(args)
+    tokenizer = AutoTokenizer.from_pretrained(NANO_CHECKPOINT) if nano else build_inkling2_tokenizer()
     blocks = corpus_blocks(tokenizer, args.seq_len)
     train, held_out = blocks[: -args.held_out_blocks], blocks[-args.held_out_blocks :]
     print(f"corpus: pydoc_data.topics, {blocks.numel():,} tokens in {len(blocks)} blocks of {args.seq_len}")

@@ -58,7 +58,7 @@ def uses_tiny_model(args) -> bool:
 def load_model(args, workdir: Path):
     """`--model`, the embedded Inkling-2-Nano, or (`uses_tiny_model`) the random tiny model; with `--quantized`, a
     mixed NVFP4 / MXFP8 copy of the tiny model."""
-    if args.model is not None or not uses_tiny_model(args):
+    if not uses_tiny_model(args):  # --model, or Nano
         print(f"model: {args.model or NANO_LABEL}")
         return AutoModelForCausalLM.from_pretrained(args.model or NANO_CHECKPOINT, dtype=args.dtype,
                                                     device_map=args.device)  # fmt: skip

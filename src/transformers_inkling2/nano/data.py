@@ -129,6 +129,11 @@ class Conversation:
         return kwargs
 
 
+def picture_turn(question: str) -> dict:
+    """The user turn that asks `question` about the conversation's picture (the image placeholder first)."""
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+
+
 def conversation(rng: random.Random, kind: str | None = None, held_out: bool = False) -> Conversation:
     """A training conversation of `kind` ("scene", "tool" or "prose"; drawn from the mix when None)."""
     kind = kind or pick(rng, KINDS)
@@ -139,9 +144,8 @@ def conversation(rng: random.Random, kind: str | None = None, held_out: bool = F
     if kind == "scene":
         image, scene = draw_scene(rng)
         _, question, answer = ask(scene, rng)
-        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
         reply = assistant(scene.inventory() if thinks else None, content=answer)
-        return Conversation([user, reply], tools, effort, image)
+        return Conversation([picture_turn(question), reply], tools, effort, image)
     if kind == "tool":
         question, tool, arguments = tool_question(rng)
         result = run_tool(tool, arguments)

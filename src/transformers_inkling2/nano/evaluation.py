@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..processing.response_parsing import parse_response
-from .data import HELD_OUT_STREAM, example_rng, prose_turns
+from .data import HELD_OUT_STREAM, example_rng, picture_turn, prose_turns
 from .scenes import SCORED_KINDS, answer_is_right, ask, draw_scene
-from .tools import TOOLS, run_tool
+from .tools import TOOLS, run_tool, tool_question
 
 GENERATION_BATCH = 25
 
@@ -36,13 +36,18 @@ class Score:
             self.failures.append(detail)
 
 
+def prompts(model, processor, chats: list[list[dict]], images=None, **template):
+    """A batch of chats (and their images) rendered with the generation prompt, left-padded, on the model's device."""
+    texts = [processor.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **template)
+             for chat in chats]  # fmt: skip
+    return processor(text=texts, images=images, padding=True, return_tensors="pt").to(model.device)
+
+
 @torch.no_grad()
 def reply(model, processor, chats: list[list[dict]], images=None, max_new_tokens: int = 64, **template) -> list[dict]:
     """Greedy replies (parsed assistant messages) to a batch of chats, left-padded into one `generate` call."""
     tokenizer = processor.tokenizer
-    texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **template)
-             for chat in chats]  # fmt: skip
-    inputs = processor(text=texts, images=images, padding=True, return_tensors="pt").to(model.device)
+    inputs = prompts(model, processor, chats, images, **template)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None)
     new = out[:, inputs["input_ids"].shape[1] :]
     return [parse_response(row[row != tokenizer.pad_token_id], tokenizer) for row in new]
@@ -67,8 +72,7 @@ def scene_accuracy(model, processor, count: int = 50) -> Score:
     score = Score()
     for first in range(0, count, GENERATION_BATCH):
         items = [scene_question(i) for i in range(first, min(first + GENERATION_BATCH, count))]
-        chats = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-                 for _, _, _, question, _ in items]  # fmt: skip
+        chats = [[picture_turn(question)] for _, _, _, question, _ in items]
         replies = reply(model, processor, chats, images=[[image] for image, *_ in items], max_new_tokens=80)
         for (_, scene, kind, question, answer), message in zip(items, replies):
             ok = answer_is_right(kind, answer, message["content"] or "")
@@ -80,8 +84,6 @@ def scene_accuracy(model, processor, count: int = 50) -> Score:
 def tool_accuracy(model, processor, count: int = 50) -> Score:
     """A question counts when the model calls the right tool with a JSON object of arguments, and, given that
     call's real result, answers with the result."""
-    from .tools import tool_question
-
     score = Score()
     for first in range(0, count, GENERATION_BATCH):
         questions = [tool_question(example_rng(f"{HELD_OUT_STREAM}-tool", i))
@@ -110,11 +112,9 @@ def tool_accuracy(model, processor, count: int = 50) -> Score:
 def dspark_accepted_length(model, processor, temperature: float, count: int = 8, max_new_tokens: int = 96) -> float:
     """DSpark's mean accepted length (tokens committed per step, the target's own included) over replies to
     `count` held-out documentation questions; greedy at temperature 0, else sampled (seed 0)."""
-    tokenizer = processor.tokenizer
     chats = [[{"role": "user", "content": prose_turns(example_rng(f"{HELD_OUT_STREAM}-prose", i), held_out=True)[0]}]
              for i in range(count)]  # fmt: skip
-    texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
-    inputs = processor(text=texts, padding=True, return_tensors="pt").to(model.device)
+    inputs = prompts(model, processor, chats)
     torch.manual_seed(0)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, dspark=True, return_dict_in_generate=True,

@@ -31,7 +31,7 @@ from transformers.utils.logging import tqdm
 from ..configuration_inkling2 import Inkling2Config, default_layer_types
 
 NANO_NUM_RANKS = 8192  # o200k's first ranks that Nano's tokenizer keeps
-NANO_VOCAB_ROWS = 8256  # 8,192 ranks + 60 special tokens, padded to a multiple of 64
+VOCAB_ROW_MULTIPLE = 64  # the embedding's rows: the tokenizer's ids, padded up (8,252 -> 8,256)
 NANO_MXFP8_FROM = 6  # layers 0-5 NVFP4, 6-7 MXFP8
 NANO_DEFAULTS = dict(steps=550, batch_size=128, learning_rate=3e-3, drafter_steps=500, drafter_batch_size=32,
                      drafter_window=256, seed=0)  # fmt: skip
@@ -50,7 +50,7 @@ def build_nano_processor():
 def nano_config(tokenizer) -> Inkling2Config:
     """Inkling-2-Small's architecture at toy width, with the token ids of `tokenizer`."""
     text = dict(
-        vocab_size=NANO_VOCAB_ROWS,
+        vocab_size=math.ceil(len(tokenizer) / VOCAB_ROW_MULTIPLE) * VOCAB_ROW_MULTIPLE,
         unpadded_vocab_size=len(tokenizer),
         hidden_size=256,
         num_hidden_layers=8,

@@ -1,6 +1,6 @@
 """Where `inkling2 train-nano`'s time goes: the training conversations' throughput (DataLoader workers alone), and
-one training step of Inkling-2-Nano (its loss: `written_token_loss`) per attention implementation, with the
-fastest step's top CUDA kernels.
+one training step of Inkling-2-Nano (its loss: `written_token_loss`) per attention implementation and per kind of
+batch (training's batches hold one kind each: `OneKindBatches`), with the fastest step's top CUDA kernels.
 
     python benchmarks/nano_training.py [--steps 20] [--workers 12]
 """
@@ -14,24 +14,27 @@ import time
 import torch
 
 import transformers_inkling2  # noqa: F401  (registers the attention backends)
-from transformers_inkling2.nano.data import ConversationDataset, collate
+from transformers_inkling2.nano.data import ConversationDataset, OneKindBatches, collate
 from transformers_inkling2.nano.training import build_nano_processor, nano_config, written_token_loss
 
 
-def batches(processor, count: int, batch_size: int, workers: int):
+def batches(processor, count: int, batch_size: int, workers: int) -> list[tuple[str, dict]]:
+    """(kind, batch) of the first `count` steps of a training stream."""
+    sampler = OneKindBatches("benchmark", batch_size, count)
     loader = torch.utils.data.DataLoader(
         ConversationDataset(processor, "benchmark", count * batch_size),
-        batch_size=batch_size,
+        batch_sampler=sampler,
         num_workers=workers,
         collate_fn=functools.partial(collate, pad_token_id=processor.tokenizer.pad_token_id),
     )
-    return list(loader)
+    return [(sampler.kind(step), batch) for step, batch in enumerate(loader)]
 
 
-def step_time(model, data, device) -> float:
+def step_times(model, data, device) -> dict[str, float]:
+    """Median seconds of a step per kind of batch, and over all (`"all"`), the first two steps left out."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
-    for batch in data:
+    for _, batch in data:
         batch = {name: value.to(device) for name, value in batch.items()}
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -42,13 +45,18 @@ def step_time(model, data, device) -> float:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return sorted(times[2:])[len(times[2:]) // 2]
+    kinds = [kind for kind, _ in data]
+    medians = {}
+    for kind in (*sorted(set(kinds)), "all"):
+        kept = sorted(t for i, t in enumerate(times) if i >= 2 and kind in (kinds[i], "all"))
+        medians[kind] = kept[len(kept) // 2] if kept else float("nan")
+    return medians
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--workers", type=int, default=12)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -56,7 +64,7 @@ def main() -> None:
     start = time.perf_counter()
     data = batches(processor, args.steps, args.batch_size, args.workers)
     elapsed = time.perf_counter() - start
-    tokens = sum(batch["input_ids"].numel() for batch in data)
+    tokens = sum(batch["input_ids"].numel() for _, batch in data)
     print(f"data: {args.steps} batches of {args.batch_size} in {elapsed:.1f} s with {args.workers} workers "
           f"({elapsed / args.steps * 1000:.0f} ms a batch, {tokens / len(data):.0f} padded tokens a batch)")  # fmt: skip
     config = nano_config(processor.tokenizer)
@@ -67,15 +75,15 @@ def main() -> None:
             config, attn_implementation=attention
         ).to(device)
         model.train()
-        rows.append((attention, step_time(model, data, device)))
-        if fastest is None or rows[-1][1] < fastest[1]:
-            fastest = attention, rows[-1][1], model
+        rows.append((attention, step_times(model, data, device)))
+        if fastest is None or rows[-1][1]["all"] < fastest[1]:
+            fastest = attention, rows[-1][1]["all"], model
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        step_time(fastest[2], data[:3], device)
+        step_times(fastest[2], data[:3], device)
     print(f"the {fastest[0]} step's kernels:")
     print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-    for attention, seconds in rows:
-        print(f"| {attention} | {seconds * 1000:.1f} ms a step |")
+    for attention, medians in rows:
+        print(f"| {attention} | " + " | ".join(f"{kind}: {s * 1000:.1f} ms a step" for kind, s in medians.items()) + " |")
 
 if __name__ == "__main__":
     main()

@@ -106,15 +106,15 @@ def add_train_nano(commands) -> None:
     """`inkling2 train-nano`: its defaults are the shipped weights' (`nano.training.NANO_DEFAULTS`, repeated here so
     that `--help` needs no torch; tests/nano checks they agree)."""
     nano = commands.add_parser(
-        "train-nano", help="train Inkling-2-Nano (the embedded default model) from scratch: about 8 minutes on an H200"
+        "train-nano", help="train Inkling-2-Nano (the embedded default model) from scratch: about 25 minutes on an H200"
     )
     nano.add_argument("--output", required=True, help="folder for the quantized checkpoint and training_report.json")
-    nano.add_argument("--steps", type=int, default=550, help="model training steps")
+    nano.add_argument("--steps", type=int, default=2200, help="model training steps")
     nano.add_argument("--batch-size", type=int, default=128, help="conversations per step")
     nano.add_argument("--learning-rate", type=float, default=3e-3)
-    nano.add_argument("--drafter-steps", type=int, default=500, help="DSpark drafter training steps")
+    nano.add_argument("--drafter-steps", type=int, default=1600, help="DSpark drafter training steps")
     nano.add_argument("--seed", type=int, default=0)
-    nano.add_argument("--workers", type=int, default=8, help="processes drawing the training conversations")
+    nano.add_argument("--workers", type=int, default=12, help="processes drawing the training conversations")
     nano.add_argument("--held-out", type=int, default=50, help="held-out examples of each kind to score at the end")
     nano.add_argument(
         "--max-minutes",

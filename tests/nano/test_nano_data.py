@@ -7,7 +7,10 @@ import torch
 
 from transformers_inkling2.nano.data import (
     HELD_OUT_STREAM,
+    KINDS,
+    TOOLS_DECLARED,
     ConversationDataset,
+    OneKindBatches,
     collate,
     conversation,
     documentation,
@@ -117,3 +120,20 @@ def test_examples_are_pure_functions_of_their_index_and_batch_with_their_images(
     assert len(batch["image_grid_thw"]) == len(with_images)
     placeholders = (batch["input_ids"] == processor.image_token_id).sum()
     assert placeholders == batch["image_grid_thw"].prod(-1).sum() == len(batch["pixel_values"])
+
+
+def test_training_batches_hold_one_kind_each_in_the_mix_and_resume_where_they_stopped(processor):
+    full = list(OneKindBatches("train-0", 4, 600))
+    assert list(OneKindBatches("train-0", 4, 600, first_step=450)) == full[450:]
+    assert [row[-1] for batch in full for row in batch] == list(range(2400))  # every example index once, in order
+    kinds = [{row[:2] for row in batch} for batch in full]
+    assert all(len(kind) == 1 for kind in kinds)
+    for kind, weight in KINDS.items():
+        assert abs(sum(k.pop()[0] == kind for k in map(set, kinds)) / 600 - weight) < 0.06
+    assert abs(sum(k.pop()[1] for k in map(set, kinds)) / 600 - TOOLS_DECLARED) < 0.06
+    dataset = ConversationDataset(processor, "train-0", 2400)
+    for kind, declares_tools in (("scene", False), ("scene", True), ("tool", True), ("prose", False)):
+        batch = next(b for b in full if b[0][:2] == (kind, declares_tools))
+        rows = [dataset[item] for item in batch]
+        assert all(("pixel_values" in row) == (kind == "scene") for row in rows)
+        assert all(("tool_declare" in processor.tokenizer.decode(row["input_ids"])) == declares_tools for row in rows)

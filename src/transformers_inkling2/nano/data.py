@@ -21,7 +21,8 @@ from .tools import TOOLS, run_tool, tool_answer, tool_question, tool_thinking
 
 HELD_OUT_STREAM = "held-out"
 MAX_LENGTH = 512  # tokens per training conversation (longer prose is cut, its end dropped from the loss)
-KINDS = {"scene": 0.5, "tool": 0.3, "prose": 0.2}  # the training mix
+KINDS = {"scene": 0.6, "tool": 0.2, "prose": 0.2}  # the training mix, by batch (`OneKindBatches`)
+TOOLS_DECLARED = 0.3  # how often a picture or documentation chat declares the tools anyway (and needs none)
 EFFORTS = {0.0: 0.25, "default": 0.45, "low": 0.1, "medium": 0.1, "high": 0.1}  # "default": no effort argument
 DOCUMENTED_MODULES = ("json", "os.path", "re", "collections", "itertools", "functools", "math", "string", "random",
                       "textwrap", "shutil", "pathlib", "statistics", "datetime", "heapq", "bisect")  # fmt: skip
@@ -134,13 +135,17 @@ def picture_turn(question: str) -> dict:
     return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
 
 
-def conversation(rng: random.Random, kind: str | None = None, held_out: bool = False) -> Conversation:
-    """A training conversation of `kind` ("scene", "tool" or "prose"; drawn from the mix when None)."""
+def conversation(rng: random.Random, kind: str | None = None, declares_tools: bool | None = None,
+                 held_out: bool = False) -> Conversation:  # fmt: skip
+    """A training conversation of `kind` ("scene", "tool" or "prose"; drawn from the mix when None), whose chat
+    declares the tools when `declares_tools` (always for "tool"; drawn with TOOLS_DECLARED when None)."""
     kind = kind or pick(rng, KINDS)
     effort = pick(rng, EFFORTS)
     effort = None if effort == "default" else effort
     thinks = effort != 0.0
-    tools = TOOLS if kind == "tool" or rng.random() < 0.3 else None
+    if declares_tools is None:
+        declares_tools = rng.random() < TOOLS_DECLARED
+    tools = TOOLS if kind == "tool" or declares_tools else None
     if kind == "scene":
         image, scene = draw_scene(rng)
         _, question, answer = ask(scene, rng)
@@ -197,20 +202,48 @@ def encode(processor, chat: Conversation, max_length: int = MAX_LENGTH) -> dict:
 
 
 class ConversationDataset(torch.utils.data.Dataset):
-    """`length` training examples of the stream `train-{seed}`, each a pure function of its index (so any number
-    of DataLoader workers gives the same batches)."""
+    """`length` examples of `stream`, each a pure function of its index (so any number of DataLoader workers gives the
+    same batches): item `index` is a conversation of a kind drawn from `kinds` (or from the whole mix when None),
+    item `(kind, declares_tools, index)` one of that kind, declaring the tools or not."""
 
-    def __init__(self, processor, seed: int, length: int, kinds: dict | None = None):
-        self.processor, self.stream, self.length = processor, f"train-{seed}", length
+    def __init__(self, processor, stream: str, length: int, kinds: dict | None = None):
+        self.processor, self.stream, self.length = processor, stream, length
         self.kinds = kinds
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, item: int | tuple[str, bool, int]) -> dict:
+        kind, declares_tools, index = item if isinstance(item, tuple) else (None, None, item)
         rng = example_rng(self.stream, index)
-        kind = pick(rng, self.kinds) if self.kinds else None
-        return encode(self.processor, conversation(rng, kind))
+        if kind is None and self.kinds:
+            kind = pick(rng, self.kinds)
+        return encode(self.processor, conversation(rng, kind, declares_tools))
+
+
+class OneKindBatches(torch.utils.data.Sampler):
+    """The batches of steps `first_step` to `steps`: step s's kind (and whether its chats declare the tools) is drawn
+    from `kinds` (and TOOLS_DECLARED) by its own seed, its rows are examples `s * batch_size` to `(s + 1) *
+    batch_size`, so any step's batch is known without the steps before it (a resumed run draws what an uninterrupted
+    one would). One kind per batch because a batch is padded to its longest row: mixed, every picture question (about
+    100 tokens) would be padded to the documentation or the tool declarations beside it (over 300)."""
+
+    def __init__(self, stream: str, batch_size: int, steps: int, first_step: int = 0, kinds: dict = KINDS):
+        self.stream, self.batch_size, self.kinds = stream, batch_size, kinds
+        self.steps, self.first_step = steps, first_step
+
+    def kind(self, step: int) -> tuple[str, bool]:
+        """(kind, whether the chats declare the tools) of step `step`'s batch."""
+        rng = example_rng(f"{self.stream}-batch", step)
+        return pick(rng, self.kinds), rng.random() < TOOLS_DECLARED
+
+    def __len__(self) -> int:
+        return self.steps - self.first_step
+
+    def __iter__(self):
+        for step in range(self.first_step, self.steps):
+            kind, declares_tools = self.kind(step)
+            yield [(kind, declares_tools, step * self.batch_size + row) for row in range(self.batch_size)]
 
 
 def collate(examples: list[dict], pad_token_id: int) -> dict:

@@ -33,8 +33,9 @@ from ..configuration_inkling2 import Inkling2Config, default_layer_types
 NANO_NUM_RANKS = 8192  # o200k's first ranks that Nano's tokenizer keeps
 VOCAB_ROW_MULTIPLE = 64  # the embedding's rows: the tokenizer's ids, padded up (8,252 -> 8,256)
 NANO_MXFP8_FROM = 6  # layers 0-5 NVFP4, 6-7 MXFP8
-NANO_DEFAULTS = dict(steps=550, batch_size=128, learning_rate=3e-3, drafter_steps=500, drafter_batch_size=32,
+NANO_DEFAULTS = dict(steps=2200, batch_size=128, learning_rate=3e-3, drafter_steps=1600, drafter_batch_size=32,
                      drafter_window=256, seed=0)  # fmt: skip
+DRAFTER_KINDS = {"tool": 0.5, "prose": 0.5}  # text conversations: the drafter reads no pictures
 
 
 def build_nano_processor():
@@ -116,10 +117,9 @@ class Progress:
 def train_language_model(model, processor, steps: int, batch_size: int, learning_rate: float, seed: int,
                          workers: int, state: Path, deadline: float | None = None) -> Progress:  # fmt: skip
     """Next-token loss on the conversations of stream `train-{seed}`, from where `state` (a folder) says an earlier
-    invocation stopped. Step s trains on examples [s * batch_size, (s + 1) * batch_size) whatever the invocation,
-    and the optimizer and schedule are saved with the weights, so a run paused at `deadline` (`time.monotonic()`)
+    invocation stopped. Step s trains on the batch `OneKindBatches` gives it whatever the invocation, and the optimizer and schedule are saved with the weights, so a run paused at `deadline` (`time.monotonic()`)
     and resumed trains exactly as one that never stopped. Returns the progress (`step == steps` once finished)."""
-    from .data import ConversationDataset, collate
+    from .data import ConversationDataset, OneKindBatches, collate
 
     progress = Progress.load(state)
     progress.invocations += 1
@@ -134,10 +134,10 @@ def train_language_model(model, processor, steps: int, batch_size: int, learning
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
-    examples = ConversationDataset(processor, f"train-{seed}", steps * batch_size)
+    stream = f"train-{seed}"
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.Subset(examples, range(progress.step * batch_size, steps * batch_size)),
-        batch_size=batch_size,
+        ConversationDataset(processor, stream, steps * batch_size),
+        batch_sampler=OneKindBatches(stream, batch_size, steps, first_step=progress.step),
         num_workers=workers,
         collate_fn=functools.partial(collate, pad_token_id=processor.tokenizer.pad_token_id),
         persistent_workers=workers > 0,
@@ -177,7 +177,7 @@ def drafter_text(processor, seed: int, conversations: int, workers: int) -> torc
     """One token stream of text conversations (tool use and documentation), for the drafter's windows."""
     from .data import ConversationDataset
 
-    dataset = ConversationDataset(processor, f"train-{seed}-drafter", conversations, kinds={"tool": 0.5, "prose": 0.5})
+    dataset = ConversationDataset(processor, f"train-{seed}-drafter", conversations, kinds=DRAFTER_KINDS)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
     return torch.cat([example["input_ids"] for example in loader])
 
@@ -215,7 +215,7 @@ def train_nano(output: str | Path, steps: int = NANO_DEFAULTS["steps"], batch_si
                drafter_steps: int = NANO_DEFAULTS["drafter_steps"],
                drafter_batch_size: int = NANO_DEFAULTS["drafter_batch_size"],
                drafter_window: int = NANO_DEFAULTS["drafter_window"], seed: int = NANO_DEFAULTS["seed"],
-               device: str | torch.device = "cuda", workers: int = 8, held_out: int = 50,
+               device: str | torch.device = "cuda", workers: int = 12, held_out: int = 50,
                max_minutes: float | None = None) -> dict:  # fmt: skip
     """Trains, quantizes and saves Inkling-2-Nano to `output`; returns the report it writes there (with the scores on
     `held_out` examples of each kind; 0: none). With `max_minutes`, the model's training stops after that many

@@ -4,6 +4,7 @@ recipe."""
 
 import json
 
+import pytest
 import torch
 
 from transformers_inkling2.nano.training import NANO_DEFAULTS, NANO_MXFP8_FROM
@@ -53,7 +54,7 @@ def test_a_paused_run_resumed_trains_exactly_as_one_that_never_stopped(tmp_path)
         return model, train_language_model(model, processor, 3, 2, 1e-3, 0, 0, state, deadline)
 
     straight, done = train(tmp_path / "straight")
-    assert done.step == 3 and not (tmp_path / "straight").exists()  # nothing saved when nothing paused
+    assert done.step == 3 and (tmp_path / "straight" / "training.pt").exists()  # kept until the checkpoint is written
     for step in (1, 2):
         _, paused = train(tmp_path / "paused", deadline=0.0)
         assert paused.step == step and (tmp_path / "paused" / "training.pt").exists()
@@ -61,3 +62,41 @@ def test_a_paused_run_resumed_trains_exactly_as_one_that_never_stopped(tmp_path)
     assert finished.step == 3 and finished.invocations == 3 and finished.losses == done.losses
     for name, tensor in straight.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
+
+
+def test_a_run_that_fails_after_the_model_trained_continues_with_the_drafter(tmp_path, monkeypatch):
+    """The shipped recipe's first H200 run lost 19 minutes of training to an error in the drafter's phase."""
+    from transformers_inkling2.nano import load_nano, training
+
+    def fails(*args):
+        raise OSError("no drafter")
+
+    drafter = training.train_nano_drafter
+    monkeypatch.setattr(training, "train_nano_drafter", fails)
+    arguments = dict(steps=2, batch_size=2, drafter_steps=2, workers=0, held_out=0, device="cpu")
+    with pytest.raises(OSError, match="no drafter"):
+        training.train_nano(tmp_path / "nano", **arguments)
+    trained = torch.load(tmp_path / "nano.partial" / "training.pt", weights_only=True)["model"]
+    monkeypatch.setattr(training, "train_nano_drafter", drafter)
+    monkeypatch.setattr(training, "written_token_loss", lambda *args: pytest.fail("the model was trained again"))
+    report = training.train_nano(tmp_path / "nano", **arguments)
+    assert report["invocations"] == 2 and not (tmp_path / "nano.partial").exists()
+    model, _ = load_nano(path=tmp_path / "nano")
+    embedding = next(tensor for name, tensor in trained.items() if name.endswith("embed_tokens.weight"))
+    assert torch.equal(model.get_input_embeddings().weight, embedding.bfloat16().float())
+
+
+def test_the_drafters_text_comes_back_from_the_workers_in_few_tensors():
+    """Each tensor a DataLoader worker returns holds a file descriptor while it lives: the drafter's 32,768
+    conversations, once returned one by one and kept, ran out of them on the H200."""
+    import resource
+
+    from transformers_inkling2.nano.training import build_nano_processor, drafter_text
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    try:
+        text = drafter_text(build_nano_processor(), seed=0, conversations=400, workers=2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert text.ndim == 1 and len(text) > 400 * 50

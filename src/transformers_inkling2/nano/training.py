@@ -117,8 +117,11 @@ class Progress:
 def train_language_model(model, processor, steps: int, batch_size: int, learning_rate: float, seed: int,
                          workers: int, state: Path, deadline: float | None = None) -> Progress:  # fmt: skip
     """Next-token loss on the conversations of stream `train-{seed}`, from where `state` (a folder) says an earlier
-    invocation stopped. Step s trains on the batch `OneKindBatches` gives it whatever the invocation, and the optimizer and schedule are saved with the weights, so a run paused at `deadline` (`time.monotonic()`)
-    and resumed trains exactly as one that never stopped. Returns the progress (`step == steps` once finished)."""
+    invocation stopped. Step s trains on the batch `OneKindBatches` gives it whatever the invocation, and the
+    optimizer and schedule are saved with the weights, so a run paused at `deadline` (`time.monotonic()`) and resumed
+    trains exactly as one that never stopped. The state is saved when training finishes too: a later phase of
+    `train_nano` that fails then costs a rerun of that phase, not of the model's training. Returns the progress
+    (`step == steps` once finished)."""
     from .data import ConversationDataset, OneKindBatches, collate
 
     progress = Progress.load(state)
@@ -134,6 +137,10 @@ def train_language_model(model, processor, steps: int, batch_size: int, learning
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
+    if progress.step == steps:  # trained by an earlier invocation, which failed afterwards
+        progress.save(state)
+        model.eval()
+        return progress
     stream = f"train-{seed}"
     loader = torch.utils.data.DataLoader(
         ConversationDataset(processor, stream, steps * batch_size),
@@ -165,11 +172,10 @@ def train_language_model(model, processor, steps: int, batch_size: int, learning
     bar.close()
     model.eval()
     progress.seconds += time.perf_counter() - started
-    if progress.step < steps:
-        state.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict()}, state / "training.pt")  # fmt: skip
-        progress.save(state)
+    state.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict()}, state / "training.pt")  # fmt: skip
+    progress.save(state)
     return progress
 
 
@@ -178,8 +184,14 @@ def drafter_text(processor, seed: int, conversations: int, workers: int) -> torc
     from .data import ConversationDataset
 
     dataset = ConversationDataset(processor, f"train-{seed}-drafter", conversations, kinds=DRAFTER_KINDS)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
-    return torch.cat([example["input_ids"] for example in loader])
+    # the workers join each batch into one tensor: every tensor that comes back from a worker holds a file
+    # descriptor while it lives, and tens of thousands of conversations kept one by one run out of them
+    loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=workers, collate_fn=joined_token_ids)
+    return torch.cat(list(loader))
+
+
+def joined_token_ids(examples: list[dict]) -> torch.LongTensor:
+    return torch.cat([example["input_ids"] for example in examples])
 
 
 def train_nano_drafter(model, processor, steps: int, batch_size: int, window: int, seed: int, workers: int):
@@ -220,7 +232,9 @@ def train_nano(output: str | Path, steps: int = NANO_DEFAULTS["steps"], batch_si
     """Trains, quantizes and saves Inkling-2-Nano to `output`; returns the report it writes there (with the scores on
     `held_out` examples of each kind; 0: none). With `max_minutes`, the model's training stops after that many
     minutes, saves its state in `OUTPUT.partial/` and returns `{"paused_at_step": ..., "steps": ...}`; the same call
-    again continues from there (once the model is trained, the drafter and the rest run in one go)."""
+    again continues from there (once the model is trained, the drafter and the rest run in one go). The trained model
+    stays in `OUTPUT.partial/` until the checkpoint is written, so a call that fails after the model's training
+    (in the drafter's, say) continues, called again, with the drafter."""
     from ..modeling.modeling_inkling2 import Inkling2ForConditionalGeneration
     from ..quantization.quantize import quantize_checkpoint
     from . import load_nano

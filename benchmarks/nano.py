@@ -1,7 +1,8 @@
 """Inkling-2-Nano against its targets (docs/nano.md), on the machine at hand: held-out scene and tool accuracy, DSpark's
-accepted length at temperature 0 and 1, and the README's main command timed from start to its printed answer; then
-what explains the misses: the drafter's agreement with the model teacher-forced and its acceptance per position
-while decoding, the time of a decode step, and the time to import transformers' modeling code.
+accepted length at temperature 0 and 1 on held-out documentation and tool questions, and the README's main command
+timed from start to its printed answer; then what explains the misses: the drafter's agreement with the model
+teacher-forced and its acceptance per position while decoding, the time of a decode step, and the time to import
+transformers' modeling code.
 
     python benchmarks/nano.py [--count 50] [--runs 3]
 """
@@ -79,7 +80,8 @@ def main() -> None:
     torch.manual_seed(0)
     model, processor = load_nano()
     scenes, tools = scene_accuracy(model, processor, args.count), tool_accuracy(model, processor, args.count)
-    t0, t1 = dspark_accepted_length(model, processor, 0.0), dspark_accepted_length(model, processor, 1.0)
+    accepted = {kind: [dspark_accepted_length(model, processor, t, kind) for t in (0.0, 1.0)]
+                for kind in ("prose", "tool")}  # fmt: skip
     agreement, acceptance = drafter_agreement(model, processor)
     step_ms = decode_ms_per_token(model, processor)
     del model  # the timed runs load their own
@@ -87,7 +89,8 @@ def main() -> None:
     times = [main_job_seconds(seed) for seed in range(args.runs)]
     print(f"| held-out scenes right | {scenes.right}/{scenes.total} ({scenes.accuracy:.0%}) | target 90% |")
     print(f"| held-out tool questions right | {tools.right}/{tools.total} ({tools.accuracy:.0%}) | target 90% |")
-    print(f"| DSpark accepted length, T=0 / T=1 | {t0:.2f} / {t1:.2f} | target 4 / 3 |")
+    for kind, (t0, t1) in accepted.items():
+        print(f"| DSpark accepted length, held-out {kind} questions, T=0 / T=1 | {t0:.2f} / {t1:.2f} | target 4 / 3 |")
     for seed, (reply_s, answer_s, answer) in enumerate(times):
         print(f"| `inkling2 --seed {seed}`: first reply token / answer printed | {reply_s:.2f} s / {answer_s:.2f} s | "
               f"target 5 s | {answer} |")  # fmt: skip

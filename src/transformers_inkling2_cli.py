@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_train_nano(commands) -> None:
-    """`inkling2 train-nano`: its defaults are the shipped weights' (`nano.training.NANO_DEFAULTS`, repeated here so
-    that `--help` needs no torch; tests/nano checks they agree)."""
+    """`inkling2 train-nano`: its defaults are the recipe's (`nano.training.NANO_DEFAULTS`, repeated here so that
+    `--help` needs no torch; tests/nano checks they agree)."""
     nano = commands.add_parser(
         "train-nano", help="train Inkling-2-Nano (the embedded default model) from scratch: about 25 minutes on an H200"
     )

@@ -69,9 +69,9 @@ def test_it_calls_the_right_tool_and_answers_with_its_result(nano):
     assert score.total == 50 and score.accuracy >= 0.9, score.failures[:5]
 
 
-def test_dspark_on_held_out_documentation_is_lossless_and_accepts_drafts(nano):
-    """Greedy DSpark writes exactly the plain greedy reply; the accepted length is what docs/nano.md reports (target
-    4 at temperature 0 and 3 at 1: missed by these weights)."""
+def test_dspark_on_held_out_text_is_lossless_and_accepts_drafts(nano):
+    """Greedy DSpark writes exactly the plain greedy reply; the accepted lengths are what docs/nano.md reports (target
+    4 at temperature 0 and 3 at 1: missed by these weights, on documentation by far, on tool calls narrowly)."""
     model, processor = nano
     tokenizer = processor.tokenizer
     chat = [{"role": "user", "content": "Tell me about The \"while\" statement."}]
@@ -79,5 +79,7 @@ def test_dspark_on_held_out_documentation_is_lossless_and_accepts_drafts(nano):
     plain = greedy_generate(model, inputs["input_ids"], inputs["attention_mask"], 40)
     drafted = model.generate(**inputs, max_new_tokens=40, do_sample=False, dspark=True)
     assert torch.equal(drafted[:, : plain.shape[1]], plain)
-    assert dspark_accepted_length(model, processor, 0.0, count=4, max_new_tokens=48) > 1.5
-    assert dspark_accepted_length(model, processor, 1.0, count=4, max_new_tokens=48) > 1.3
+    assert dspark_accepted_length(model, processor, 0.0, "prose", count=4, max_new_tokens=48) > 1.5
+    assert dspark_accepted_length(model, processor, 1.0, "prose", count=4, max_new_tokens=48) > 1.3
+    assert dspark_accepted_length(model, processor, 0.0, "tool", count=4, max_new_tokens=48) > 3.0
+    assert dspark_accepted_length(model, processor, 1.0, "tool", count=4, max_new_tokens=48) > 2.8

@@ -1,6 +1,6 @@
 """`inkling2 train-nano` end to end at toy size on the CPU: it trains (pausing and resuming exactly), distills the
-drafter, quantizes and writes a checkpoint that loads and answers; its command-line defaults are the shipped weights'
-recipe."""
+drafter, quantizes and writes a checkpoint that loads and answers; its command-line defaults are the recipe's
+(`NANO_DEFAULTS`)."""
 
 import json
 
@@ -11,7 +11,7 @@ from transformers_inkling2.nano.training import NANO_DEFAULTS, NANO_MXFP8_FROM
 from transformers_inkling2_cli import build_parser, main
 
 
-def test_the_command_line_defaults_are_the_shipped_recipe():
+def test_the_command_line_defaults_are_the_recipe():
     args = build_parser().parse_args(["train-nano", "--output", "x"])
     for name in ("steps", "batch_size", "learning_rate", "drafter_steps", "seed"):
         assert getattr(args, name) == NANO_DEFAULTS[name], name
@@ -65,7 +65,7 @@ def test_a_paused_run_resumed_trains_exactly_as_one_that_never_stopped(tmp_path)
 
 
 def test_a_run_that_fails_after_the_model_trained_continues_with_the_drafter(tmp_path, monkeypatch):
-    """The shipped recipe's first H200 run lost 19 minutes of training to an error in the drafter's phase."""
+    """The recipe's first H200 run lost 19 minutes of the model's training to an error in the drafter's phase."""
     from transformers_inkling2.nano import load_nano, training
 
     def fails(*args):
@@ -100,3 +100,18 @@ def test_the_drafters_text_comes_back_from_the_workers_in_few_tensors():
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert text.ndim == 1 and len(text) > 400 * 50
+
+
+def test_the_vision_tower_trains_at_a_tenth_of_the_rate_and_norms_without_decay():
+    from transformers_inkling2 import Inkling2ForConditionalGeneration
+    from transformers_inkling2.nano.training import build_nano_processor, nano_config, parameter_groups
+
+    model = Inkling2ForConditionalGeneration(nano_config(build_nano_processor().tokenizer))
+    groups = parameter_groups(model, 3e-3)
+    grouped = [id(p) for group in groups for p in group["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each parameter once
+    rate = {id(p): group["lr"] for group in groups for p in group["params"]}
+    decay = {id(p): group["weight_decay"] for group in groups for p in group["params"]}
+    for name, parameter in model.named_parameters():
+        assert rate[id(parameter)] == pytest.approx(3e-4 if name.startswith("model.vision_tower.") else 3e-3), name
+        assert (decay[id(parameter)] > 0) == (parameter.ndim >= 2 and "norm" not in name), name

@@ -189,8 +189,10 @@ def test_reader_accepts_a_checkpoint_written_by_hand_from_the_format_rules(check
         (lambda t: t.pop("model.llm.layers.0.mlp.experts.w13_weight_global_scale"), "no outer scale"),
         (lambda t: t.__setitem__("model.llm.layers.1.mlp.experts.w13_weight", torch.zeros(8, 64, 64, dtype=torch.int8)), "Unknown expert weight layout"),
         (lambda t: t.__setitem__("model.llm.layers.1.mlp.experts.w13_weight_bias", torch.zeros(8)), "Unknown expert tensors"),
+        (lambda t: t["model.llm.layers.0.mlp.experts.w2_weight_scale"].view(torch.uint8).view(-1).__setitem__(5, 0xB8), "negative block scales"),
+        (lambda t: t["model.llm.layers.1.mlp.experts.w13_weight"].view(torch.uint8).view(-1).__setitem__(9, 0x7F), "float8_e4m3fn NaN values"),
     ],
-    ids=["nan-scale", "scale-shape", "no-outer-scale", "unknown-dtype", "unknown-tensor"],
+    ids=["nan-scale", "scale-shape", "no-outer-scale", "unknown-dtype", "unknown-tensor", "negative-scale", "nan-value"],
 )
 def test_broken_quantized_checkpoints_are_clear_errors(checkpoints, tmp_path, damage, message):
     write_hand_checkpoint(checkpoints, tmp_path / "broken", damage)

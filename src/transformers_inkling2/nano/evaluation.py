@@ -1,6 +1,7 @@
 """Held-out checks of Inkling-2-Nano: questions about freshly drawn scenes, tool questions answered over a call and
-its result, and DSpark's accepted length on held-out documentation. `inkling2 train-nano` reports them and the tests
-assert them; every example comes from the `held-out` streams, which training never draws from.
+its result, and DSpark's accepted length on held-out text (documentation and tool questions). `inkling2 train-nano`
+reports them and the tests assert them; every example comes from the `held-out` streams, which training never draws
+from.
 """
 
 from __future__ import annotations
@@ -108,13 +109,25 @@ def tool_accuracy(model, processor, count: int = 50) -> Score:
     return score
 
 
+def held_out_text_chats(kind: str, count: int) -> tuple[list[list[dict]], dict]:
+    """(chats, template arguments) of `count` held-out text questions: "prose" asks about held-out documentation,
+    "tool" asks a tool question with the tools declared (the reply is a call)."""
+    if kind == "prose":
+        questions = [prose_turns(example_rng(f"{HELD_OUT_STREAM}-prose", i), held_out=True)[0] for i in range(count)]
+        return [[{"role": "user", "content": question}] for question in questions], {}
+    if kind == "tool":
+        questions = [tool_question(example_rng(f"{HELD_OUT_STREAM}-tool", i))[0] for i in range(count)]
+        return [[{"role": "user", "content": question}] for question in questions], {"tools": TOOLS}
+    raise ValueError(f"Unknown held-out text kind {kind!r}: expected 'prose' or 'tool'.")
+
+
 @torch.no_grad()
-def dspark_accepted_length(model, processor, temperature: float, count: int = 8, max_new_tokens: int = 96) -> float:
-    """DSpark's mean accepted length (tokens committed per step, the target's own included) over replies to
-    `count` held-out documentation questions; greedy at temperature 0, else sampled (seed 0)."""
-    chats = [[{"role": "user", "content": prose_turns(example_rng(f"{HELD_OUT_STREAM}-prose", i), held_out=True)[0]}]
-             for i in range(count)]  # fmt: skip
-    inputs = prompts(model, processor, chats)
+def dspark_accepted_length(model, processor, temperature: float, kind: str = "prose", count: int = 8,
+                           max_new_tokens: int = 96) -> float:  # fmt: skip
+    """DSpark's mean accepted length (tokens committed per step, the target's own included) over replies to `count`
+    held-out text questions of `kind` (`held_out_text_chats`); greedy at temperature 0, else sampled (seed 0)."""
+    chats, template = held_out_text_chats(kind, count)
+    inputs = prompts(model, processor, chats, **template)
     torch.manual_seed(0)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, dspark=True, return_dict_in_generate=True,

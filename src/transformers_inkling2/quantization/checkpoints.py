@@ -156,14 +156,27 @@ def check_loaded_experts(model: torch.nn.Module, checkpoint, revision: str | Non
 
 
 def validate_quantized_experts(model: torch.nn.Module) -> None:
-    """Raises on NaN or infinite scales (E8M0 byte 255, E4M3 NaN, non-finite outer scales) after loading. Under
-    tensor parallelism every rank checks the block of experts it holds."""
+    """Raises on NaN or infinite scales (E8M0 byte 255, E4M3 NaN, non-finite outer scales), negative NVFP4 block
+    scales and MXFP8 NaN values after loading, once: the kernels and the reference path then decode without
+    checking. Under tensor parallelism every rank checks the block of experts it holds."""
     for name, module in model.named_modules():
         if not isinstance(module, Inkling2QuantizedExperts):
             continue
         for matrix in ("gate_up_proj", "down_proj"):
             scale = local_tensor(getattr(module, f"{matrix}_scale"))
             values = qf.e8m0_decode(scale) if module.format == "mxfp8" else scale.float()
+            if module.format == "nvfp4" and bool((values < 0).any()):
+                raise qf.QuantizedFormatError(
+                    f"{name}.{matrix}_scale holds negative block scales: NVFP4 block scales are non-negative "
+                    "(the kernels read them as unsigned E4M3). Re-export or re-quantize these experts."
+                )
+            if module.format == "mxfp8":
+                value_bytes = local_tensor(getattr(module, matrix)).view(torch.uint8)
+                if bool(((value_bytes & 0x7F) == 0x7F).any()):
+                    raise qf.QuantizedFormatError(
+                        f"{name}.{matrix} holds float8_e4m3fn NaN values: the checkpoint is corrupt. Re-export or "
+                        "re-quantize these experts."
+                    )
             tensors = {f"{name}.{matrix}_scale": values}
             if module.format == "nvfp4":
                 tensors[f"{name}.{matrix} outer multiplier"] = module.outer_multiplier(matrix)

@@ -79,15 +79,15 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
         return qf.nvfp4_outer_multiplier(**tensors, validate=validate)
 
     def expert_weights(self, expert: int):
-        """Dequantizes one expert (only the experts a batch uses, one at a time: no dequantized model copy)."""
+        """Dequantizes one expert (only the experts a batch uses, one at a time: no dequantized model copy), without
+        the value checks, which loading made once (`validate_quantized_experts`)."""
         weights = []
         for name in ("gate_up_proj", "down_proj"):
             packed = local_tensor(getattr(self, name))[expert : expert + 1]
             scale = local_tensor(getattr(self, f"{name}_scale"))[expert : expert + 1]
-            outer = self.outer_multiplier(name)[expert : expert + 1] if self.format == "nvfp4" else None
-            weights.append(
-                qf.dequantize_expert_weights(packed, scale, outer, quant_format=self.format, dtype=torch.float32)[0]
-            )
+            outer = self.outer_multiplier(name, validate=False)[expert : expert + 1] if self.format == "nvfp4" else None
+            weights.append(qf.dequantize_expert_weights(packed, scale, outer, quant_format=self.format,
+                                                        dtype=torch.float32, validate=False)[0])  # fmt: skip
         return tuple(weights)
 
     def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:

@@ -19,8 +19,15 @@ import torch
 
 from transformers_inkling2.dspark.training import random_anchors, teacher_forced_loss
 from transformers_inkling2.nano import load_nano
-from transformers_inkling2.nano.data import HELD_OUT_STREAM, ConversationDataset, example_rng, prose_turns
-from transformers_inkling2.nano.evaluation import dspark_accepted_length, prompts, scene_accuracy, tool_accuracy
+from transformers_inkling2.nano.training import DRAFTER_KINDS
+from transformers_inkling2.nano.data import ConversationDataset
+from transformers_inkling2.nano.evaluation import (
+    dspark_accepted_length,
+    held_out_text_chats,
+    prompts,
+    scene_accuracy,
+    tool_accuracy,
+)
 
 
 def main_job_seconds(seed: int) -> tuple[float, float, str]:
@@ -45,13 +52,12 @@ def main_job_seconds(seed: int) -> tuple[float, float, str]:
 def drafter_agreement(model, processor) -> tuple[list[float], list[float]]:
     """(per block position: how often the draft's argmax is the model's, teacher-forced on 4 windows of 512 tokens of
     text conversations; how often draft k was accepted, all before it too, greedy over 4 held-out replies)."""
-    dataset = ConversationDataset(processor, "benchmark", 16, kinds={"tool": 0.5, "prose": 0.5})
+    dataset = ConversationDataset(processor, "benchmark", 16, kinds=DRAFTER_KINDS)
     ids = torch.cat([dataset[i]["input_ids"] for i in range(16)])[:2048].view(4, 512)
     block = model.dspark.config.block_size
     anchors = random_anchors(512, block, 32, torch.Generator().manual_seed(0), "cpu")
     agreement = teacher_forced_loss(model, ids, anchors)["agreement"].tolist()
-    chats = [[{"role": "user", "content": prose_turns(example_rng(f"{HELD_OUT_STREAM}-prose", i), held_out=True)[0]}]
-             for i in range(4)]  # fmt: skip
+    chats, _ = held_out_text_chats("prose", 4)
     out = model.generate(**prompts(model, processor, chats), max_new_tokens=64, dspark=True,
                          return_dict_in_generate=True, do_sample=False)  # fmt: skip
     return agreement, out.position_acceptance.tolist()

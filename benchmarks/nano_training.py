@@ -2,7 +2,7 @@
 one training step of Inkling-2-Nano (its loss: `written_token_loss`) per attention implementation and per kind of
 batch (training's batches hold one kind each: `OneKindBatches`), with the fastest step's top CUDA kernels.
 
-    python benchmarks/nano_training.py [--steps 20] [--workers 12]
+    python benchmarks/nano_training.py [--steps 20] [--workers 12] [--attention inkling2_auto eager]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--attention", nargs="+", default=["inkling2_auto", "eager"])
     args = parser.parse_args()
     device = torch.device("cuda")
     processor = build_nano_processor()
@@ -69,7 +70,7 @@ def main() -> None:
           f"({elapsed / args.steps * 1000:.0f} ms a batch, {tokens / len(data):.0f} padded tokens a batch)")  # fmt: skip
     config = nano_config(processor.tokenizer)
     rows, fastest = [], None
-    for attention in ("inkling2_auto", "eager"):
+    for attention in args.attention:
         torch.manual_seed(0)
         model = transformers_inkling2.Inkling2ForConditionalGeneration._from_config(
             config, attn_implementation=attention
@@ -78,10 +79,13 @@ def main() -> None:
         rows.append((attention, step_times(model, data, device)))
         if fastest is None or rows[-1][1]["all"] < fastest[1]:
             fastest = attention, rows[-1][1]["all"], model
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
         step_times(fastest[2], data[:3], device)
-    print(f"the {fastest[0]} step's kernels:")
-    print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"the {fastest[0]} step's kernels over 3 steps: {len(kernels)} launched, "
+          f"{sum(event.time_range.elapsed_us() for event in kernels) / 1000:.1f} ms of GPU time")  # fmt: skip
+    print(profile.key_averages().table(sort_by="device_time_total", row_limit=25))
     for attention, medians in rows:
         print(f"| {attention} | " + " | ".join(f"{kind}: {s * 1000:.1f} ms a step" for kind, s in medians.items()) + " |")
 

@@ -62,6 +62,7 @@ GRIDS = {
     "one image": [[1, 3, 3]],
     "two images, one non-square": [[1, 2, 3], [1, 4, 1]],
     "three images, incl. 1x1 and larger than the position grid": [[1, 1, 1], [1, 4, 6], [1, 3, 2]],
+    "runs of equal images, batched by the ViT": [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 1, 1], [1, 2, 3], [1, 2, 3]],
 }
 
 
@@ -87,7 +88,7 @@ def test_eager_matches_builtin_bitwise_in_bf16():
     model.to(torch.bfloat16)
     for parameter in oracle.parameters():  # parameters only: the oracle keeps its rotary frequencies in fp32
         parameter.data = parameter.data.to(torch.bfloat16)
-    pixel_values, image_grid_thw = random_pixels(GRIDS["two images, one non-square"])
+    pixel_values, image_grid_thw = random_pixels(GRIDS["runs of equal images, batched by the ViT"])
     with torch.no_grad():
         ours = model(pixel_values, image_grid_thw)
         expected = oracle(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
@@ -119,6 +120,24 @@ def test_images_in_one_batch_do_not_see_each_other(attn_implementation):
     assert torch.allclose(first[:4], second[:4], atol=1e-6)
     assert not torch.allclose(first[4:], second[4:])
     assert torch.allclose(first[:4], single, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_equal_images_batched_together_do_not_see_each_other(attn_implementation):
+    """Consecutive images of one size run as one batch: each still sees only itself."""
+    model = random_model(attn_implementation)
+    pixel_values, image_grid_thw = random_pixels([[1, 2, 2]] * 3)
+    changed = pixel_values.clone()
+    changed[4:8] = torch.randn_like(changed[4:8])  # only the middle image
+    with torch.no_grad():
+        batched = model(pixel_values, image_grid_thw, output_attentions=True)
+        second = model(changed, image_grid_thw).pooler_output
+        singles = [model(pixel_values[i : i + 4], image_grid_thw[:1]).pooler_output for i in (0, 4, 8)]
+    assert torch.allclose(batched.pooler_output, torch.cat(singles), atol=1e-5)
+    assert torch.allclose(batched.pooler_output[:4], second[:4], atol=1e-6)
+    assert torch.allclose(batched.pooler_output[8:], second[8:], atol=1e-6)
+    assert not torch.allclose(batched.pooler_output[4:8], second[4:8])
+    assert [tuple(p.shape) for p in batched.attentions[0]] == [(1, TINY["num_attention_heads"], 17, 17)] * 3
 
 
 def test_outputs_layout():

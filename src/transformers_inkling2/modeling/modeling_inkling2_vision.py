@@ -17,6 +17,8 @@ Parameter names match transformers' built-in `Inkling2VisionModel`, so state dic
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,6 +96,12 @@ def bilinear_taps(positions: torch.Tensor, size: int, grid_size: int) -> tuple[t
     return taps.long().clamp(0, grid_size - 1), weights
 
 
+def image_runs(token_grids: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(images, token rows, token cols) for each run of consecutive images of one size: the ViT treats a run as one
+    batch, so a batch of equal pictures costs the launches of one picture, not of each."""
+    return [(len(list(run)), rows, cols) for (rows, cols), run in itertools.groupby(token_grids)]
+
+
 class Inkling2VisionEmbeddings(nn.Module):
     """Patch embedding + resampled learned positions, with a class token in front of each image."""
 
@@ -130,17 +138,20 @@ class Inkling2VisionEmbeddings(nn.Module):
                 embeddings = embeddings + weight * table[row_taps[:, i] * grid + col_taps[:, j]]
         return embeddings
 
-    def forward(self, pixel_values: torch.Tensor, token_grids: list[tuple[int, int]]) -> torch.Tensor:
-        """`token_grids`: (token rows, token cols) per image. Returns `[sum(1 + 4 * rows * cols), hidden]`."""
+    def forward(self, pixel_values: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        """`runs`: (images, token rows, token cols) per run of equal images (`image_runs`). Returns
+        `[sum(1 + 4 * rows * cols), hidden]`: each image's class token, then its patches."""
         dtype = self.patch_embedding.weight.dtype
         patch_embeddings = self.patch_embedding(self.patchify(pixel_values.to(dtype)))
-        class_token = (self.class_embedding + self.cls_position_embedding).to(dtype)[None]
+        class_token = (self.class_embedding + self.cls_position_embedding).to(dtype)[None, None]
 
         pieces, start = [], 0
-        for token_rows, token_cols in token_grids:
-            end = start + token_rows * token_cols * self.merge_size**2
+        for images, token_rows, token_cols in runs:
+            patches = token_rows * token_cols * self.merge_size**2
+            end = start + images * patches
             positions = self.position_embeddings(token_rows, token_cols).to(dtype)
-            pieces += [class_token, patch_embeddings[start:end] + positions]
+            run = patch_embeddings[start:end].view(images, patches, -1) + positions
+            pieces.append(torch.cat([class_token.expand(images, 1, -1), run], dim=1).flatten(0, 1))
             start = end
         return torch.cat(pieces)
 
@@ -225,11 +236,12 @@ def eager_vision_attention(
 
 
 class Inkling2VisionAttention(nn.Module):
-    """Bidirectional multi-head attention, run separately on each image of the packed sequence.
+    """Bidirectional multi-head attention within each image of the packed sequence.
 
     The backend comes from transformers' `ALL_ATTENTION_FUNCTIONS` registry (`config._attn_implementation`):
-    `"sdpa"` (default) or `"eager"` (`eager_vision_attention`, the reference). Running one call per image keeps
-    images apart without an O(total^2) block-diagonal mask, and lets SDPA pick its fused kernels.
+    `"sdpa"` (default) or `"eager"` (`eager_vision_attention`, the reference). One call per run of equal-sized
+    images (a batch of them) keeps images apart without an O(total^2) block-diagonal mask, and lets SDPA pick its
+    fused kernels.
     """
 
     def __init__(self, config: Inkling2VisionConfig):
@@ -249,11 +261,12 @@ class Inkling2VisionAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        seq_lengths: list[int],
+        runs: list[tuple[int, int]],
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """(output, each image's attention probabilities [1, heads, n, n] or None). With `output_attentions` this call
-        runs the eager reference, which materializes them."""
+        """`runs`: (images, tokens per image) for each run of equal-sized images. Returns (output, each image's
+        attention probabilities [1, heads, n, n] or None). With `output_attentions` this call runs the eager
+        reference, which materializes them."""
         seq = hidden_states.shape[0]
         shape = (seq, self.num_heads, self.head_dim)
         query = self.q_proj(hidden_states).view(shape)
@@ -267,14 +280,17 @@ class Inkling2VisionAttention(nn.Module):
         else:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_vision_attention)
         dropout = self.config.attention_dropout if self.training else 0.0
-        outputs, probabilities = [], []
-        for q, k, v in zip(*(t.split(seq_lengths) for t in (query, key, value)), strict=True):
-            # [n, heads, dim] -> [1, heads, n, dim]
-            q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-            out, image_probabilities = attention(self, q, k, v, None, scaling=self.scaling, dropout=dropout, is_causal=False)
-            outputs.append(out[0])
-            probabilities.append(image_probabilities)
-        return self.out_proj(torch.cat(outputs).reshape(seq, -1)), tuple(probabilities) if output_attentions else None
+        outputs, probabilities, start = [], [], 0
+        for images, length in runs:
+            end = start + images * length
+            # [images * n, heads, dim] -> [images, heads, n, dim]
+            q, k, v = (t[start:end].view(images, length, *shape[1:]).transpose(1, 2) for t in (query, key, value))
+            out, run_probabilities = attention(self, q, k, v, None, scaling=self.scaling, dropout=dropout, is_causal=False)
+            outputs.append(out.reshape(images * length, -1))
+            if output_attentions:
+                probabilities += run_probabilities.split(1)
+            start = end
+        return self.out_proj(torch.cat(outputs)), tuple(probabilities) if output_attentions else None
 
 
 class Inkling2VisionMLP(nn.Module):
@@ -304,11 +320,11 @@ class Inkling2VisionEncoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        seq_lengths: list[int],
+        runs: list[tuple[int, int]],
         output_attentions: bool = False,
     ) -> torch.Tensor:
         normed = self.layernorm_before(hidden_states)
-        attended, _ = self.self_attn(normed, position_embeddings, seq_lengths, output_attentions)
+        attended, _ = self.self_attn(normed, position_embeddings, runs, output_attentions)
         hidden_states = hidden_states + self.lambda_1 * attended
         return hidden_states + self.lambda_2 * self.mlp(self.layernorm_after(hidden_states))
 
@@ -419,27 +435,29 @@ class Inkling2VisionModel(Inkling2VisionPreTrainedModel):
         """
         output_attentions = kwargs.get("output_attentions")
         output_attentions = bool(self.config.output_attentions if output_attentions is None else output_attentions)
-        sizes = self.token_grids(pixel_values, image_grid_thw)
+        runs = image_runs(self.token_grids(pixel_values, image_grid_thw))
         merge = self.config.spatial_merge_size
-        seq_lengths = [1 + rows * cols * merge**2 for rows, cols in sizes]
+        lengths = [(images, 1 + rows * cols * merge**2) for images, rows, cols in runs]
 
-        hidden_states = self.pre_layernorm(self.embeddings(pixel_values, sizes))
+        hidden_states = self.pre_layernorm(self.embeddings(pixel_values, runs))
 
         # rotary positions: class token at (0, 0), patches at (row + 1, col + 1)
         device = hidden_states.device
         zero = torch.zeros(1, dtype=torch.long, device=device)
-        coordinates = [patch_coordinates(rows, cols, merge, device=device) for rows, cols in sizes]
-        pos_rows = torch.cat([t for r, _ in coordinates for t in (zero, r + 1)])
-        pos_cols = torch.cat([t for _, c in coordinates for t in (zero, c + 1)])
-        position_embeddings = self.rotary_emb(hidden_states, torch.stack([pos_cols, pos_rows], dim=-1))
+        positions = []
+        for images, rows, cols in runs:
+            patch_rows, patch_cols = patch_coordinates(rows, cols, merge, device=device)
+            image = torch.stack([torch.cat([zero, patch_cols + 1]), torch.cat([zero, patch_rows + 1])], dim=-1)
+            positions.append(image.repeat(images, 1))
+        position_embeddings = self.rotary_emb(hidden_states, torch.cat(positions))
 
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, seq_lengths, output_attentions=output_attentions)
+            hidden_states = layer(hidden_states, position_embeddings, lengths, output_attentions=output_attentions)
 
-        is_patch = torch.ones(hidden_states.shape[0], dtype=torch.bool, device=device)
-        class_positions = torch.tensor([0] + seq_lengths[:-1], device=device).cumsum(0)
-        is_patch[class_positions] = False
-        patches = hidden_states[is_patch]
+        # each image's patches, without its class token, in order
+        runs_of_tokens = hidden_states.split([images * length for images, length in lengths])
+        patches = torch.cat([run.view(images, length, -1)[:, 1:].flatten(0, 1)
+                             for run, (images, length) in zip(runs_of_tokens, lengths, strict=True)])  # fmt: skip
         pooler_output = self.merger(patches.reshape(-1, merge**2 * patches.shape[-1]))
 
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooler_output)

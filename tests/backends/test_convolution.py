@@ -25,7 +25,7 @@ from transformers_inkling2.backends.convolution import (
     short_convolution_sum,
 )
 from transformers_inkling2.cache.common import join_convolution_context
-from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2ShortConvolution
+from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2ShortConvolution, depthwise_convolution
 
 
 def convolution_inputs(batch, length, channels, kernel_size, dtype, seed, device="cpu"):
@@ -138,6 +138,23 @@ def test_cpu_tensors_keep_the_reference_path():
     _, context = reference_pair(convolution, x, history)
     assert not runs_fused(x, convolution.conv1d.weight)
     assert fused_prompt_convolution(context, x, convolution.conv1d.weight, math.sqrt(5)) is None
+
+
+@pytest.mark.parametrize("length", [1, 3, 8])
+def test_cpu_steps_take_the_unfolded_sum(length):
+    """On the CPU a step's few tokens (at most MAX_STEP_TOKENS = 8) skip oneDNN's per-call set-up: the unfolded
+    product must give F.conv1d's values (fp32, relative 1e-6), and its gradients."""
+    generator = torch.Generator().manual_seed(length)
+    context = torch.randn(2, 48, length + 3, generator=generator, requires_grad=True)
+    weight = torch.randn(48, 1, 4, generator=generator, requires_grad=True)
+    expected = torch.nn.functional.conv1d(context, weight, groups=48)
+    output = depthwise_convolution(context, weight)
+    assert output.shape == expected.shape == (2, 48, length)
+    assert within(output, expected, 1e-6)
+    cotangent = torch.randn(expected.shape, generator=generator)
+    grads = torch.autograd.grad(output, (context, weight), cotangent)
+    expected_grads = torch.autograd.grad(expected, (context, weight), cotangent)
+    assert all(within(g, e, 1e-5) for g, e in zip(grads, expected_grads, strict=True))
 
 
 @pytest.mark.gpu

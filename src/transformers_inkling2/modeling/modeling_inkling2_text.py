@@ -111,6 +111,17 @@ def zero_padding(x: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tens
     return x if token_mask is None else x * token_mask[:, :, None]
 
 
+def depthwise_convolution(context: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.conv1d(context, weight, groups=C)`: [batch, C, T + k - 1] and [C, 1, k] -> [batch, C, T]. On the CPU a
+    step of at most MAX_STEP_TOKENS tokens takes the same sum as an unfolded product: oneDNN's set-up per call (about
+    0.24 ms) is ten times the whole 4-tap step (0.02 ms; 28 such calls per Inkling-2-Nano decode step). CUDA keeps
+    the one cuDNN launch that decode graphs capture."""
+    kernel_size = weight.shape[-1]
+    if context.is_cuda or context.shape[-1] - kernel_size + 1 > MAX_STEP_TOKENS:
+        return F.conv1d(context, weight, groups=context.shape[1])
+    return (context.unfold(-1, kernel_size, 1) * weight).sum(-1)
+
+
 class Inkling2ShortConvolution(nn.Module):
     """Causal depthwise convolution with a residual, in fp32: `(conv(x) + x) / sqrt(k + 1)`."""
 
@@ -128,7 +139,7 @@ class Inkling2ShortConvolution(nn.Module):
         output = None if fused is None else fused(context, x, weight, math.sqrt(self.kernel_size + 1))
         if output is not None:
             return output
-        convolved = F.conv1d(context, weight, groups=context.shape[1]).transpose(1, 2)
+        convolved = depthwise_convolution(context, weight).transpose(1, 2)
         return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)
 
 

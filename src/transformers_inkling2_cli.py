@@ -112,7 +112,7 @@ def add_train_nano(commands) -> None:
     nano.add_argument("--steps", type=int, default=2200, help="model training steps")
     nano.add_argument("--batch-size", type=int, default=128, help="conversations per step")
     nano.add_argument("--learning-rate", type=float, default=3e-3)
-    nano.add_argument("--drafter-steps", type=int, default=1600, help="DSpark drafter training steps")
+    nano.add_argument("--drafter-steps", type=int, default=2400, help="DSpark drafter training steps")
     nano.add_argument("--seed", type=int, default=0)
     nano.add_argument("--workers", type=int, default=12, help="processes drawing the training conversations")
     nano.add_argument("--held-out", type=int, default=50, help="held-out examples of each kind to score at the end")

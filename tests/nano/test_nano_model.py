@@ -9,15 +9,12 @@ from inkling2_helpers import greedy_generate
 
 from transformers_inkling2.nano import NANO_CHECKPOINT, load_nano
 from transformers_inkling2.nano.evaluation import dspark_accepted_length, scene_accuracy, tool_accuracy
-from transformers_inkling2.nano.training import NANO_MXFP8_FROM, NANO_NUM_RANKS, build_nano_processor
+from transformers_inkling2.nano.training import NANO_MAX_BYTES, NANO_MXFP8_FROM, NANO_NUM_RANKS, build_nano_processor
 from transformers_inkling2.processing.tokenization_inkling2 import (
     SPECIAL_TOKENS,
     build_inkling2_tokenizer,
     first_special_id,
 )
-
-MAX_BYTES = 30 * 1024 * 1024
-
 
 @pytest.fixture(scope="module")
 def nano():
@@ -27,7 +24,7 @@ def nano():
 
 def test_the_checkpoint_fits_the_budget_and_has_the_whole_architecture(nano):
     model, _ = nano
-    assert sum(f.stat().st_size for f in NANO_CHECKPOINT.iterdir()) <= MAX_BYTES
+    assert sum(f.stat().st_size for f in NANO_CHECKPOINT.iterdir()) <= NANO_MAX_BYTES
     text = model.config.text_config
     assert {"hybrid", "hybrid_sliding"} == set(text.layer_types)
     assert model.dspark is not None and model.model.vision_tower is not None

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from transformers_inkling2.nano.training import NANO_DEFAULTS, NANO_MXFP8_FROM
+from transformers_inkling2.nano.training import NANO_DEFAULTS, NANO_DRAFTER_LAYERS, NANO_MAX_BYTES, NANO_MXFP8_FROM
 from transformers_inkling2_cli import build_parser, main
 
 
@@ -33,8 +33,9 @@ def test_train_nano_writes_a_quantized_checkpoint_with_its_drafter_and_report(tm
     assert sorted({entry["quant_algo"] for entry in formats.values()}) == ["MXFP8", "NVFP4"]
     assert all((entry["quant_algo"] == "NVFP4") == (int(name.split(".")[-3]) < NANO_MXFP8_FROM)
                for name, entry in formats.items())  # fmt: skip
+    assert report["checkpoint_bytes"] <= NANO_MAX_BYTES  # every size is the recipe's, only the steps are few
     model, processor = load_nano(path=out)
-    assert model.dspark is not None
+    assert len(model.dspark.layers) == NANO_DRAFTER_LAYERS
     inputs = processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True, return_tensors="pt")  # fmt: skip
     assert model.generate(**inputs, max_new_tokens=3, do_sample=False).shape[1] == inputs["input_ids"].shape[1] + 3

@@ -33,9 +33,15 @@ from ..configuration_inkling2 import Inkling2Config, default_layer_types
 NANO_NUM_RANKS = 8192  # o200k's first ranks that Nano's tokenizer keeps
 VOCAB_ROW_MULTIPLE = 64  # the embedding's rows: the tokenizer's ids, padded up (8,252 -> 8,256)
 NANO_MXFP8_FROM = 6  # layers 0-5 NVFP4, 6-7 MXFP8
-NANO_DEFAULTS = dict(steps=2200, batch_size=128, learning_rate=3e-3, drafter_steps=1600, drafter_batch_size=32,
+NANO_MAX_BYTES = 30 * 1024 * 1024  # the checkpoint ships inside the package
+NANO_DEFAULTS = dict(steps=2200, batch_size=128, learning_rate=3e-3, drafter_steps=2400, drafter_batch_size=32,
                      drafter_window=256, seed=0)  # fmt: skip
 DRAFTER_KINDS = {"tool": 0.5, "prose": 0.5}  # text conversations: the drafter reads no pictures
+# Trained alike, a second drafter layer raised the agreement with the model at block positions 1-5 and the accepted
+# length (tool questions 1.77 -> 2.20, documentation 1.47 -> 1.58); three layers with MLPs twice as wide reached 2.53
+# on tool questions (documentation 1.50) but would take the checkpoint past 30 MB (benchmarks/nano_drafter.py;
+# docs/nano.md). A layer of MLP width 512 costs about 1.2 MB in BF16.
+NANO_DRAFTER_LAYERS = 2
 # The ViT trains at a tenth of the language model's rate: alone, as a shape classifier, it learns nothing at the
 # language model's 3e-3 and 98% of one-shape scenes within 800 steps at 1e-3 or 3e-4 (benchmarks/nano_vision.py).
 VISION_LEARNING_RATE_SCALE = 0.1
@@ -209,12 +215,13 @@ def joined_token_ids(examples: list[dict]) -> torch.LongTensor:
 
 
 def train_nano_drafter(model, processor, steps: int, batch_size: int, window: int, seed: int, workers: int):
-    """A one-layer DSpark drafter (Markov rank 64) distilled from the trained, frozen model on random windows of a
-    stream of text conversations; returns its losses."""
+    """A DSpark drafter (`NANO_DRAFTER_LAYERS` layers, Markov rank 64) distilled from the trained, frozen model on
+    random windows of a stream of text conversations; returns its losses."""
     from ..dspark.training import attach_new_drafter, default_dspark_config, token_windows, train_dspark
 
     text_config = model.config.get_text_config()
-    config = default_dspark_config(text_config, num_draft_layers=1, markov_rank=64, intermediate_size=512)
+    config = default_dspark_config(text_config, num_draft_layers=NANO_DRAFTER_LAYERS, markov_rank=64,
+                                   intermediate_size=512)  # fmt: skip
     attach_new_drafter(model, config, seed=seed)
     # about as many tokens as the windows read (a conversation has some 400), so that windows seldom repeat
     stream = drafter_text(processor, seed, max(2000, steps * batch_size * window // 400), workers)

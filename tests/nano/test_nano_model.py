@@ -16,6 +16,7 @@ from transformers_inkling2.processing.tokenization_inkling2 import (
     first_special_id,
 )
 
+
 @pytest.fixture(scope="module")
 def nano():
     torch.manual_seed(0)

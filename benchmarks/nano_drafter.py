@@ -74,6 +74,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, processor = load_nano("cpu")
     seed, window = NANO_DEFAULTS["seed"], NANO_DEFAULTS["drafter_window"]
+    # some four times the tokens the windows hold (a conversation has about 400), so that windows seldom overlap
     stream = drafter_text(processor, seed, max(200, args.windows * window // 100), workers=2)
     target = FrozenTargetOutputs(model, next(token_windows(stream, window, args.windows, seed)))
     print("| drafter | parameters | agreement per block position | accepted, documentation T=0 | accepted, tool T=0 |")

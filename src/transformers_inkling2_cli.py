@@ -10,7 +10,7 @@ but only after importing the package.)
     inkling2 plan [--variant nvfp4-mxfp8] [--tp 4] [--context 262144] [--batch 1]   GPU memory per rank
     inkling2 serve [--model PATH] [--port 8000] [--effort high] [--dspark] [--max-num-seqs 64]   a server
     inkling2 train-dspark --model PATH --output DIR [--corpus FILE ...] [--steps 1000]  distill the DSpark drafter
-    inkling2 train-nano --output DIR [--steps 550] [--seed 0]     train Inkling-2-Nano, the embedded default (a GPU)
+    inkling2 train-nano --output DIR [--steps 2200] [--seed 0]    train Inkling-2-Nano, the embedded default (a GPU)
 """
 
 from __future__ import annotations

@@ -57,9 +57,8 @@ def test_the_tokenizer_is_o200k_first_ranks_with_the_official_special_tokens(nan
 
 
 def test_it_answers_questions_about_held_out_scenes(nano):
-    """Target 90% (docs/nano.md): the shipped weights reach 64%; this pins that level so a regression shows."""
     score = scene_accuracy(*nano, count=50)
-    assert score.total == 50 and score.accuracy >= 0.6, score.failures[:5]
+    assert score.total == 50 and score.accuracy >= 0.9, score.failures[:5]
 
 
 def test_it_calls_the_right_tool_and_answers_with_its_result(nano):
@@ -68,8 +67,9 @@ def test_it_calls_the_right_tool_and_answers_with_its_result(nano):
 
 
 def test_dspark_on_held_out_text_is_lossless_and_accepts_drafts(nano):
-    """Greedy DSpark writes exactly the plain greedy reply; the accepted lengths are what docs/nano.md reports (target
-    4 at temperature 0 and 3 at 1: missed by these weights, on documentation by far, on tool calls narrowly)."""
+    """Greedy DSpark writes exactly the plain greedy reply, and accepts the targets' lengths (4 tokens per step at
+    temperature 0, 3 at 1) on held-out documentation questions and tool questions, measured as docs/nano.md reports
+    them (benchmarks/nano.py: 8 questions, 96 new tokens)."""
     model, processor = nano
     tokenizer = processor.tokenizer
     chat = [{"role": "user", "content": "Tell me about The \"while\" statement."}]
@@ -77,7 +77,6 @@ def test_dspark_on_held_out_text_is_lossless_and_accepts_drafts(nano):
     plain = greedy_generate(model, inputs["input_ids"], inputs["attention_mask"], 40)
     drafted = model.generate(**inputs, max_new_tokens=40, do_sample=False, dspark=True)
     assert torch.equal(drafted[:, : plain.shape[1]], plain)
-    assert dspark_accepted_length(model, processor, 0.0, "prose", count=4, max_new_tokens=48) > 1.5
-    assert dspark_accepted_length(model, processor, 1.0, "prose", count=4, max_new_tokens=48) > 1.3
-    assert dspark_accepted_length(model, processor, 0.0, "tool", count=4, max_new_tokens=48) > 3.0
-    assert dspark_accepted_length(model, processor, 1.0, "tool", count=4, max_new_tokens=48) > 2.8
+    for kind in ("prose", "tool"):
+        assert dspark_accepted_length(model, processor, 0.0, kind) >= 4.0, kind
+        assert dspark_accepted_length(model, processor, 1.0, kind) >= 3.0, kind

@@ -169,3 +169,24 @@ def test_the_chunk_of_a_full_width_prefill(monkeypatch, free, tokens, expected):
     monkeypatch.setattr(activation_memory, "free_memory_bytes", lambda device: free)
     chunk = activation_memory.automatic_prefill_chunk(config, 1, tokens, 0, torch.device("cuda"), False)
     assert chunk == expected
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+def test_the_chunk_of_many_rows_stays_within_what_the_attention_kernels_index(monkeypatch, batch):
+    """At batch 64 the index limit leaves 672 tokens of Inkling-2-Small's relative logits per call: the chunk goes
+    below CHUNK_GRANULE in steps of SMALL_CHUNK_GRANULE, and the prefill kernels' layout of that many (on the meta
+    device: only its bounds check runs) accepts it."""
+    from transformers_inkling2.backends.attention.relative_logits import aligned_product
+
+    config = Inkling2TextConfig()
+    monkeypatch.setattr(activation_memory, "free_memory_bytes", lambda device: 2**40)
+    chunk = activation_memory.automatic_prefill_chunk(config, batch, 131_072, 0, torch.device("cuda"), False)
+    assert chunk % activation_memory.SMALL_CHUNK_GRANULE == 0
+    small = chunk < activation_memory.CHUNK_GRANULE
+    assert small == (batch >= 64)
+    granule = activation_memory.SMALL_CHUNK_GRANULE if small else activation_memory.CHUNK_GRANULE
+    weight = torch.empty(config.d_rel, config.rel_extent, device="meta")
+    aligned_product(torch.empty(batch, config.num_attention_heads, chunk, config.d_rel, device="meta"), weight)
+    with pytest.raises(ValueError, match="beyond what attention kernels index"):  # and not far below the limit
+        states = torch.empty(batch, config.num_attention_heads, chunk + 2 * granule, config.d_rel, device="meta")
+        aligned_product(states, weight)

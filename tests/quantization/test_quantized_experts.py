@@ -256,6 +256,19 @@ def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
         assert buffer.dtype == before[name].dtype and torch.equal(buffer.view(torch.uint8), before[name].view(torch.uint8))
 
 
+def test_quantized_experts_built_on_the_meta_device_materialize_with_to_empty():
+    """`to_empty()` (meta-device construction, then storage on a real device) gives the packed buffers their own
+    dtypes and shapes, where a move would find no data to copy."""
+    formats = ["nvfp4"] * 3 + ["mxfp8"] * 3
+    config = Inkling2TextConfig(**CONFIG, expert_quantization={"formats": formats, "nvfp4_outer_scales": ["scale_2"]})
+    with torch.device("meta"):
+        model = Inkling2ForCausalLM(config)
+    packed = {name: (buffer.dtype, buffer.shape) for name, buffer in model.named_buffers() if ".experts." in name}
+    model.to_empty(device="cpu")
+    assert packed and all(buffer.device.type == "cpu" for buffer in model.buffers())
+    assert {name: (b.dtype, b.shape) for name, b in model.named_buffers() if ".experts." in name} == packed
+
+
 @pytest.mark.parametrize("layer", [0, 5], ids=["nvfp4", "mxfp8"])
 def test_the_hub_kernel_loads_and_its_reference_agrees_with_the_model_on_cpu(checkpoints, layer):
     """The kernel the model loads (`kernel_loading.moe_kernel`, through the `kernels` library) takes the experts'

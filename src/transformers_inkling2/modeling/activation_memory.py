@@ -6,7 +6,7 @@ logits of one layer (`heads * extent` fp32), the MoE's sorted activations (`top_
 attention-residual block states (fp32). The eager reference attention also materializes `[heads, queries, keys]`
 scores. `automatic_prefill_chunk` picks the largest chunk (a multiple of `CHUNK_GRANULE`) whose estimate fits in half
 of the memory free on the device, and never more tokens than the attention kernels can index in one call (2^31
-elements of relative logits); the cache carries everything between chunks, so the result equals one forward.
+elements of relative logits: for many rows, fewer than a granule, in steps of `SMALL_CHUNK_GRANULE`); the cache carries everything between chunks, so the result equals one forward.
 `inkling2 plan` prints the same estimate (`prefill_activation_bytes`).
 """
 
@@ -17,6 +17,7 @@ import torch
 from ..configuration_inkling2 import Inkling2TextConfig
 
 CHUNK_GRANULE = 1024
+SMALL_CHUNK_GRANULE = 64  # for many rows, where the index limit leaves fewer than two CHUNK_GRANULEs
 MEMORY_SHARE = 0.5  # of the free memory: the allocator's fragmentation and what the estimate leaves out
 MAX_INDEXED_ELEMENTS = 2**31  # attention kernels index the relative logits of one call with 32-bit offsets
 EXTENT_PITCH_PADDING = 16  # the prefill kernels' layout pads each row of relative logits by up to this much
@@ -63,12 +64,13 @@ def automatic_prefill_chunk(
     per_token = prefill_activation_bytes(config, 1)
     if materializes_scores:  # scores, bias and probabilities of the layer running, over every key
         per_token += 3 * heads * (past_length + length) * FP32
-    indexed = MAX_INDEXED_ELEMENTS // (batch * heads * (config.rel_extent + EXTENT_PITCH_PADDING)) - CHUNK_GRANULE
-    chunk = max(indexed, CHUNK_GRANULE)
+    indexed = MAX_INDEXED_ELEMENTS // (batch * heads * (config.rel_extent + EXTENT_PITCH_PADDING))
+    granule = CHUNK_GRANULE if indexed >= 2 * CHUNK_GRANULE else SMALL_CHUNK_GRANULE
+    chunk = max(indexed - granule, granule)  # a granule's margin for the kernels' padded rows
     free = free_memory_bytes(device)
     if free is not None:
         chunk = min(chunk, int(free * MEMORY_SHARE / (batch * per_token)))
-    chunk = max(CHUNK_GRANULE, chunk // CHUNK_GRANULE * CHUNK_GRANULE)
+    chunk = max(granule, chunk // granule * granule)
     return None if length <= chunk else chunk
 
 

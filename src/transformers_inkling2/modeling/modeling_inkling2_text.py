@@ -35,7 +35,7 @@ from ..cache.dynamic import Inkling2Cache
 from ..cache.paged import Inkling2PagedCache
 from ..cache.static import Inkling2StaticCache
 from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
-from .activation_memory import CHUNK_GRANULE, automatic_prefill_chunk
+from .activation_memory import SMALL_CHUNK_GRANULE, automatic_prefill_chunk
 from .attention import PAGED_KEYS_BACKEND, default_attention_backend, eager_attention, get_attention_backend
 from .experts import Inkling2Experts, softcap
 from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
@@ -694,7 +694,7 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
             for name in ("output_hidden_states", "output_attentions")
         )
         training = self.training and torch.is_grad_enabled()
-        if length <= CHUNK_GRANULE or wants_all or training or torch.compiler.is_compiling():
+        if length <= SMALL_CHUNK_GRANULE or wants_all or training or torch.compiler.is_compiling():
             return None
         device = inputs_embeds.device
         past_length = 0 if cache is None else cache.get_seq_length()

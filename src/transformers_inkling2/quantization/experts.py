@@ -66,9 +66,11 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
 
     def _apply(self, fn, recurse=True):
         """`.to()`, `.cuda()`, `.bfloat16()` move the packed tensors but never cast them: their dtype is their format
-        (a cast would turn E4M3 bytes into numbers and round the fp32 outer scales)."""
+        (a cast would turn E4M3 bytes into numbers and round the fp32 outer scales). `to_empty()` off the meta device
+        gets uninitialized buffers, as anywhere else (a meta tensor has no values to move)."""
         for name, buffer in self._buffers.items():
-            self._buffers[name] = buffer.to(fn(buffer.new_empty(0)).device)
+            device = fn(buffer.new_empty(0)).device
+            self._buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
         return self
 
     def outer_multiplier(self, name: str, validate: bool = True) -> torch.Tensor:

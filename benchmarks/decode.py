@@ -14,9 +14,23 @@
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
-    python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
+3. `--per-layer VARIANT ...` (instead of 1 and 2): what one layer of a batch-1, 8 and 64 decode step costs against
+   the bytes it reads, at 2k tokens of context, over `Inkling2StaticCache` with the step `torch.compile`d inside
+   CUDA graphs (what `generate(..., compile_config=CompileConfig())` runs on a GPU). Per layer means the slope
+   between a 2-layer and a 6-layer slice (the last layer full attention, the others sliding) divided by 4, so the
+   embedding, the lm_head and the full layer drop out: kernels launched (from a profile of the replays), bytes
+   read (the layer's weights, the experts the batch touches in expectation under uniform routing, its cached keys
+   and values), time, and the time of those bytes at the GPU's measured copy bandwidth as % of it; and one layer's
+   kernels at batch 1 by GPU time (the same slope, kernel by kernel). Variants:
+   `nvfp4`, `mxfp8` (384 experts, top-8, as in the checkpoint), `bf16` (128 BF16 experts, top-8: 384 do not fit
+   six times) and `tp4-nvfp4` / `tp4-mxfp8` / `tp4-bf16`: what one GPU computes per layer at TP4/EP4 (12 q / 2 kv
+   heads, 96 of the 384 experts, of which top-2 on average; hidden 4608).
 
-Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./).
+    python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
+    python3 benchmarks/decode.py --per-layer nvfp4 tp4-nvfp4 [--context 2048] [--out DIR]
+
+Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./); with
+`--per-layer`, `decode_per_layer.md` (+ `.json`), rewritten after each variant.
 """
 
 from __future__ import annotations
@@ -213,6 +227,156 @@ def model_decode_benchmark(args) -> list[dict]:
     return rows
 
 
+# --- part 3: one layer's cost against the bytes it reads -------------------------------------------------------------
+
+PER_LAYER_VARIANTS = ("nvfp4", "mxfp8", "bf16", "tp4-nvfp4", "tp4-mxfp8", "tp4-bf16")
+BF16_EXPERTS = 128  # 384 BF16 experts take 24.5 GB a layer: six layers of them do not fit one H200
+SLOPE_LAYERS = (2, 6)
+
+
+def layer_slice_config(variant: str, layers: int):
+    """`layers` layers, the last one full attention, the others sliding; full width, or what one GPU computes per
+    layer at TP4/EP4 ("tp4-..."); routed experts stored as the variant says."""
+    from parallel import official_quantization
+
+    from transformers_inkling2 import Inkling2TextConfig
+    from transformers_inkling2.configuration_inkling2 import FULL_LAYER, SLIDING_LAYER
+
+    storage = variant.removeprefix("tp4-")
+    fields = dict(num_hidden_layers=layers, layer_types=[SLIDING_LAYER] * (layers - 1) + [FULL_LAYER],
+                  vocab_size=8192, unpadded_vocab_size=8000, eos_token_id=None)  # fmt: skip
+    if variant.startswith("tp4-"):
+        fields.update(num_attention_heads=12, num_key_value_heads=2, swa_num_attention_heads=12,
+                      swa_num_key_value_heads=2, n_routed_experts=96, num_experts_per_tok=2)  # fmt: skip
+    elif storage == "bf16":
+        fields["n_routed_experts"] = BF16_EXPERTS
+    if storage != "bf16":
+        fields["expert_quantization"] = official_quantization([storage] * layers)
+    return Inkling2TextConfig(**fields)
+
+
+def random_slice(config):
+    """The model on the GPU with random weights, built on the meta device (no dequantized or fp32 copy on the way):
+    bf16, except what the original keeps in fp32 and the packed experts' codes and scales."""
+    from parallel import fill_randomly_
+
+    from transformers_inkling2 import Inkling2ForCausalLM
+
+    with torch.device("meta"):
+        model = Inkling2ForCausalLM(config)
+    keep = model._keep_in_fp32_modules_strict
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.element_size() > 1 and not any(p in name for p in keep):
+            tensor.data = tensor.data.to(torch.bfloat16)
+    fill_randomly_(model.to_empty(device=DEVICE))
+    return model.eval()
+
+
+def copy_bandwidth_gb_s() -> float:
+    """Bytes read plus bytes written per second by a 1 GiB device copy."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    target = torch.empty_like(source)
+    return 2 * source.numel() / cuda_ms(lambda: target.copy_(source), warmup=2, repeats=10) / 1e6
+
+
+def profiled_kernels(step, steps: int = 3) -> tuple[float, float, dict]:
+    """(kernels launched per step, their GPU time in ms per step, {kernel name: [count, us] per step}) of `step`,
+    memory copies and sets left out (the graphs' input copies)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_name = {}
+    for event in trace.events():
+        if event.device_type != DeviceType.CUDA or any(word in event.name.lower() for word in ("memcpy", "memset")):
+            continue
+        entry = by_name.setdefault(event.name, [0.0, 0.0])
+        entry[0] += 1 / steps
+        entry[1] += event.time_range.elapsed_us() / steps
+    return sum(c for c, _ in by_name.values()), sum(us for _, us in by_name.values()) / 1000, by_name
+
+
+def slice_decode(model, batch: int, context: int, repeats: int) -> dict:
+    """One decode step after `context` tokens per row: ms (median of `repeats`), kernels, GPU ms, bytes read."""
+    from full_scale import decode_step_bytes
+    from transformers import CompileConfig
+
+    from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
+
+    cache = Inkling2StaticCache(model.config, context + 64, batch)
+    generator = torch.Generator(device=DEVICE).manual_seed(batch)
+    ids = torch.randint(0, 8000, (batch, context), device=DEVICE, generator=generator)
+    runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig())
+    token = ids[:, -1:]
+
+    def step():
+        runner(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        ms = cuda_ms(step, warmup=3, repeats=repeats)
+        kernels, gpu_ms, by_name = profiled_kernels(step)
+    return dict(ms=ms, kernels=kernels, gpu_ms=gpu_ms, bytes=decode_step_bytes(model, batch, context), by_name=by_name)
+
+
+def per_layer_benchmark(args) -> list[dict]:
+    bandwidth = copy_bandwidth_gb_s()
+    print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    rows, busiest = [], {}
+    for variant in args.per_layer:
+        steps = {}
+        for layers in SLOPE_LAYERS:
+            model = random_slice(layer_slice_config(variant, layers))
+            for batch in args.batches:
+                steps[layers, batch] = guarded(lambda: slice_decode(model, batch, args.context, args.steps))
+                print(variant, layers, batch, {k: v for k, v in steps[layers, batch].items() if k != "by_name"}
+                      if isinstance(steps[layers, batch], dict) else steps[layers, batch], flush=True)  # fmt: skip
+            del model
+            torch._dynamo.reset()  # every slice compiles afresh: keep the recompile limit out of the way
+            free_memory()
+        small, large = SLOPE_LAYERS
+        for batch in args.batches:
+            a, b = steps[small, batch], steps[large, batch]
+            if not (isinstance(a, dict) and isinstance(b, dict)):
+                rows.append(dict(variant=variant, batch=batch, error=a if isinstance(b, dict) else b))
+                continue
+            per_layer = {key: (b[key] - a[key]) / (large - small) for key in ("ms", "kernels", "gpu_ms", "bytes")}
+            roofline_ms = per_layer["bytes"] / bandwidth / 1e6
+            rows.append(dict(variant=variant, batch=batch, **per_layer, roofline_ms=roofline_ms,
+                             roofline_share=roofline_ms / per_layer["ms"], step_ms_2=a["ms"], step_ms_6=b["ms"],
+                             bandwidth_gb_s=bandwidth))  # fmt: skip
+        if isinstance(steps[small, 1], dict) and isinstance(steps[large, 1], dict):  # one layer's kernels, batch 1
+            few, many = steps[small, 1]["by_name"], steps[large, 1]["by_name"]
+            per_layer = {name: [(many.get(name, (0, 0))[i] - few.get(name, (0, 0))[i]) / (large - small)
+                                for i in (0, 1)] for name in {*few, *many}}  # fmt: skip
+            top = sorted(per_layer.items(), key=lambda item: -item[1][1])
+            busiest[variant] = [(name[:100], round(count, 2), round(us, 2)) for name, (count, us) in top
+                                if abs(count) > 0.01 or abs(us) > 0.05]  # fmt: skip
+        write_report(args.out, "decode_per_layer", per_layer_report(args, rows, busiest, bandwidth),
+                     dict(rows=rows, busiest=busiest, args=vars(args)))  # fmt: skip
+    return rows
+
+
+def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) -> str:
+    table = markdown_table(
+        ["layer", "batch", "kernels", "MB read", "ms", "GPU busy ms", "roofline ms", "% of roofline"],
+        [[r["variant"], r["batch"], r.get("error", fmt(r.get("kernels"), ".1f")), fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"),
+          fmt(r.get("ms"), ".3f"), fmt(r.get("gpu_ms"), ".3f"), fmt(r.get("roofline_ms"), ".3f"),
+          fmt(None if "error" in r else 100 * r["roofline_share"], ".0f")] for r in rows],
+    )  # fmt: skip
+    text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "
+            f"--per-layer {' '.join(args.per_layer)} --context {args.context}`; copy bandwidth {bandwidth:.0f} GB/s\n",
+            "Per layer: the slope between a 2- and a 6-layer slice (step at 6 layers minus step at 2, over 4), "
+            f"{args.context} tokens of context per row, static cache, `torch.compile` inside CUDA graphs.\n", table]
+    for variant, kernels in busiest.items():
+        text += [f"\nOne `{variant}` layer's kernels at batch 1, by GPU time (the same slope; all in the JSON):\n",
+                 markdown_table(["kernel", "launches", "us"], [list(k) for k in kernels[:16]])]
+    return "\n".join(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -226,6 +390,8 @@ def main():
                         help="also the static-cache steps compiled with torch.compile (CompileConfig()) inside the graphs")
     parser.add_argument("--no-flex-decode", dest="flex_decode", action="store_false",
                         help="leave out inkling2_flex_decode (shorter runs)")
+    parser.add_argument("--per-layer", nargs="+", choices=PER_LAYER_VARIANTS,
+                        help="part 3 only: one layer's cost per variant (the context defaults to 2048 here)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")
@@ -233,6 +399,12 @@ def main():
         args.context = min(args.context, 1024)
     args.batches = [1, 8, 64]
     args.steps = 3 if args.quick else 8
+    if args.per_layer:
+        if "--context" not in sys.argv:
+            args.context = 2048
+        args.steps = max(args.steps, 20)
+        per_layer_benchmark(args)
+        return
     started = time.time()
 
     key_counts = [8192, 32768] if args.quick else [8192, 32768, 131072]

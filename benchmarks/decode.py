@@ -11,9 +11,6 @@
    prefill of `--context` tokens per row, one decode step of the decoder (no lm_head), in ms per layer, at batch
    1, 8, 64: ours with `inkling2_flex`, `inkling2_flex_decode` and `eager`, and the built-in (eager), same
    weights; peak memory.
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    export PYTHONPATH=$PWD/src:/tmp/site
 3. `--per-layer VARIANT ...` (instead of 1 and 2): what one layer of a batch-1, 8 and 64 decode step costs against
    the bytes it reads, at 2k tokens of context, over `Inkling2StaticCache` with the step `torch.compile`d inside
    CUDA graphs (what `generate(..., compile_config=CompileConfig())` runs on a GPU). Per layer means the slope
@@ -26,6 +23,8 @@
    six times) and `tp4-nvfp4` / `tp4-mxfp8` / `tp4-bf16`: what one GPU computes per layer at TP4/EP4 (12 q / 2 kv
    heads, 96 of the 384 experts, of which top-2 on average; hidden 4608).
 
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PWD/src:/tmp/site
     python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
     python3 benchmarks/decode.py --per-layer nvfp4 tp4-nvfp4 [--context 2048] [--out DIR]
 
@@ -350,9 +349,9 @@ def per_layer_benchmark(args) -> list[dict]:
                              bandwidth_gb_s=bandwidth))  # fmt: skip
         if isinstance(steps[small, 1], dict) and isinstance(steps[large, 1], dict):  # one layer's kernels, batch 1
             few, many = steps[small, 1]["by_name"], steps[large, 1]["by_name"]
-            per_layer = {name: [(many.get(name, (0, 0))[i] - few.get(name, (0, 0))[i]) / (large - small)
-                                for i in (0, 1)] for name in {*few, *many}}  # fmt: skip
-            top = sorted(per_layer.items(), key=lambda item: -item[1][1])
+            kernels = {name: [(many.get(name, (0, 0))[i] - few.get(name, (0, 0))[i]) / (large - small)
+                              for i in (0, 1)] for name in {*few, *many}}  # fmt: skip
+            top = sorted(kernels.items(), key=lambda item: -item[1][1])
             busiest[variant] = [(name[:100], round(count, 2), round(us, 2)) for name, (count, us) in top
                                 if abs(count) > 0.01 or abs(us) > 0.05]  # fmt: skip
         write_report(args.out, "decode_per_layer", per_layer_report(args, rows, busiest, bandwidth),
@@ -363,8 +362,8 @@ def per_layer_benchmark(args) -> list[dict]:
 def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) -> str:
     table = markdown_table(
         ["layer", "batch", "kernels", "MB read", "ms", "GPU busy ms", "roofline ms", "% of roofline"],
-        [[r["variant"], r["batch"], r.get("error", fmt(r.get("kernels"), ".1f")), fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"),
-          fmt(r.get("ms"), ".3f"), fmt(r.get("gpu_ms"), ".3f"), fmt(r.get("roofline_ms"), ".3f"),
+        [[r["variant"], r["batch"], r.get("error", fmt(r.get("kernels"), ".1f")),
+          fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"), fmt(r.get("ms"), ".3f"), fmt(r.get("gpu_ms"), ".3f"), fmt(r.get("roofline_ms"), ".3f"),
           fmt(None if "error" in r else 100 * r["roofline_share"], ".0f")] for r in rows],
     )  # fmt: skip
     text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "
@@ -382,7 +381,8 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true", help="keys 8k/32k, context 1024, fewer repeats")
     parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--context", type=int, default=4096, help="tokens per row before the timed decode steps")
+    parser.add_argument("--context", type=int, help="tokens per row before the timed decode steps (default 4096; "
+                        "2048 with --per-layer, as the roofline issue measured)")
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
     parser.add_argument("--skip-attention", action="store_true", help="model slice only")
@@ -395,13 +395,13 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")
+    if args.context is None:
+        args.context = 2048 if args.per_layer else 4096
     if args.quick:
         args.context = min(args.context, 1024)
     args.batches = [1, 8, 64]
     args.steps = 3 if args.quick else 8
     if args.per_layer:
-        if "--context" not in sys.argv:
-            args.context = 2048
         args.steps = max(args.steps, 20)
         per_layer_benchmark(args)
         return

@@ -6,7 +6,8 @@ logits of one layer (`heads * extent` fp32), the MoE's sorted activations (`top_
 attention-residual block states (fp32). The eager reference attention also materializes `[heads, queries, keys]`
 scores. `automatic_prefill_chunk` picks the largest chunk (a multiple of `CHUNK_GRANULE`) whose estimate fits in half
 of the memory free on the device, and never more tokens than the attention kernels can index in one call (2^31
-elements of relative logits: for many rows, fewer than a granule, in steps of `SMALL_CHUNK_GRANULE`); the cache carries everything between chunks, so the result equals one forward.
+elements of relative logits: for many rows, fewer than a granule, in steps of `SMALL_CHUNK_GRANULE`); the cache
+carries everything between chunks, so the result equals one forward.
 `inkling2 plan` prints the same estimate (`prefill_activation_bytes`).
 """
 

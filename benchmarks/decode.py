@@ -363,7 +363,8 @@ def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) ->
     table = markdown_table(
         ["layer", "batch", "kernels", "MB read", "ms", "GPU busy ms", "roofline ms", "% of roofline"],
         [[r["variant"], r["batch"], r.get("error", fmt(r.get("kernels"), ".1f")),
-          fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"), fmt(r.get("ms"), ".3f"), fmt(r.get("gpu_ms"), ".3f"), fmt(r.get("roofline_ms"), ".3f"),
+          fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"), fmt(r.get("ms"), ".3f"), fmt(r.get("gpu_ms"), ".3f"),
+          fmt(r.get("roofline_ms"), ".3f"),
           fmt(None if "error" in r else 100 * r["roofline_share"], ".0f")] for r in rows],
     )  # fmt: skip
     text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "

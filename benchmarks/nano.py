@@ -1,10 +1,10 @@
 """Inkling-2-Nano against its targets (docs/nano.md), on the machine at hand: held-out scene and tool accuracy, DSpark's
 accepted length at temperature 0 and 1 on held-out documentation and tool questions, and the README's main command
 timed from start to its printed answer; then what explains the misses: the drafter's agreement with the model
-teacher-forced and its acceptance per position while decoding, the time of a decode step, and the time to import
-transformers' modeling code.
+teacher-forced and its acceptance per position while decoding, the time of a decode step (and with the experts
+dequantized at every use, as without the small modules' cache), and the time to import transformers' modeling code.
 
-    python benchmarks/nano.py [--count 50] [--runs 3]
+    python benchmarks/nano.py [--count 50] [--runs 5]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from transformers_inkling2.nano.evaluation import (
     scene_accuracy,
     tool_accuracy,
 )
+from transformers_inkling2.quantization import experts as experts_module
 
 
 def main_job_seconds(seed: int) -> tuple[float, float, str]:
@@ -90,6 +91,10 @@ def main() -> None:
                 for kind in ("prose", "tool")}  # fmt: skip
     agreement, acceptance = drafter_agreement(model, processor)
     step_ms = decode_ms_per_token(model, processor)
+    kept_experts = experts_module.DEQUANTIZED_CACHE_BYTES
+    experts_module.DEQUANTIZED_CACHE_BYTES = 0  # every use dequantizes its expert again, as before that cache
+    uncached_step_ms = decode_ms_per_token(model, processor)
+    experts_module.DEQUANTIZED_CACHE_BYTES = kept_experts
     del model  # the timed runs load their own
     imports = min(import_seconds("transformers.modeling_utils") for _ in range(3))
     times = [main_job_seconds(seed) for seed in range(args.runs)]
@@ -106,6 +111,7 @@ def main() -> None:
     print(f"| drafter agreement per position, teacher-forced | {' '.join(f'{a:.2f}' for a in agreement)} |")
     print(f"| draft k accepted (with all before it), greedy | {' '.join(f'{a:.2f}' for a in acceptance)} |")
     print(f"| decode, one token (greedy, 40 tokens, fp32) | {step_ms:.1f} ms |")
+    print(f"| the same, experts dequantized at every use (`DEQUANTIZED_CACHE_BYTES = 0`) | {uncached_step_ms:.1f} ms |")
     print(f"| `import transformers.modeling_utils`, fastest of 3 | {imports:.2f} s |")
 
 

@@ -256,6 +256,29 @@ def test_quantized_experts_are_frozen_and_survive_a_dtype_cast(checkpoints):
         assert buffer.dtype == before[name].dtype and torch.equal(buffer.view(torch.uint8), before[name].view(torch.uint8))
 
 
+def test_small_modules_keep_dequantized_experts_that_follow_their_buffers(checkpoints, monkeypatch):
+    """The CPU reference path keeps the dequantized experts of small modules: the same logits as dequantizing at every
+    use, a fresh dequantization once a packed buffer is written in place, and no cache past the size bound."""
+    from transformers_inkling2.quantization import experts as experts_module
+
+    quantized = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed")
+    cached = logits(quantized)
+    experts = quantized.model.layers[0].mlp.experts
+    assert experts.__dict__["_dequantized"][1]  # the forward filled it
+    monkeypatch.setattr(experts_module, "DEQUANTIZED_CACHE_BYTES", 0)
+    assert torch.equal(logits(quantized), cached)
+    monkeypatch.undo()
+    before = experts.expert_weights(1)[0].clone()
+    with torch.no_grad():
+        experts.gate_up_proj[1].bitwise_xor_(0x11)  # other E2M1 codes in place: same pointer, a new version
+    after = experts.expert_weights(1)[0]
+    assert not torch.equal(after, before) and torch.equal(after, experts.dequantized_expert(1)[0])
+    large = Inkling2ForCausalLM.from_pretrained(checkpoints / "mixed").model.layers[0].mlp.experts
+    monkeypatch.setattr(experts_module, "DEQUANTIZED_CACHE_BYTES", 1)
+    large.expert_weights(0)
+    assert "_dequantized" not in large.__dict__
+
+
 def test_quantized_experts_built_on_the_meta_device_materialize_with_to_empty():
     """`to_empty()` (meta-device construction, then storage on a real device) gives the packed buffers their own
     dtypes and shapes, where a move would find no data to copy."""

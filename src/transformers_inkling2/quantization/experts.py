@@ -3,7 +3,7 @@
 Built by the model for the layers whose storage `from_pretrained` read from the tensor headers
 (`checkpoints.attach_expert_quantization`, through `modeling.interfaces.EXPERT_STORAGES`). On CUDA they run through
 the `inkling2_moe` hub kernel (fused dequantization); elsewhere, and with `experts_implementation="eager"`, each
-active expert is dequantized on the fly and computed like the BF16 reference.
+active expert is dequantized on the fly (and kept, in small modules) and computed like the BF16 reference.
 """
 
 import torch
@@ -24,6 +24,9 @@ NVFP4_OUTER_SCALES = {
     "outer_scale_denominator": "outer_scale_denominator",
 }
 
+# A module whose experts all fit this many bytes dequantized (fp32) keeps them once dequantized: Inkling-2-Nano's
+# layers (4.7 MB each) do, Inkling-2-Small's (24 GB each) never do.
+DEQUANTIZED_CACHE_BYTES = 64 * 2**20
 
 
 class Inkling2QuantizedExperts(Inkling2ExpertsBase):
@@ -81,6 +84,23 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
         return qf.nvfp4_outer_multiplier(**tensors, validate=validate)
 
     def expert_weights(self, expert: int):
+        """One expert's weights, dequantized (`dequantized_expert`), from the module's cache when it keeps one: on the
+        CPU reference path an NVFP4 expert of Inkling-2-Nano takes 0.6 ms to dequantize, for every token that uses
+        it (about 8 ms of a 32-36 ms decode step; docs/benchmarks.md). The cache holds the experts of small modules
+        (`DEQUANTIZED_CACHE_BYTES`) and starts afresh when a packed buffer is replaced or written in place (its
+        pointer or version changes)."""
+        if self.num_experts * 3 * self.hidden_size * self.intermediate_size * 4 > DEQUANTIZED_CACHE_BYTES:
+            return self.dequantized_expert(expert)
+        buffers = tuple(local_tensor(buffer) for buffer in self._buffers.values())
+        fingerprint = tuple((buffer.data_ptr(), buffer._version) for buffer in buffers)
+        cache = self.__dict__.get("_dequantized")
+        if cache is None or cache[0] != fingerprint:
+            cache = self.__dict__["_dequantized"] = (fingerprint, {})
+        if expert not in cache[1]:
+            cache[1][expert] = self.dequantized_expert(expert)
+        return cache[1][expert]
+
+    def dequantized_expert(self, expert: int):
         """Dequantizes one expert (only the experts a batch uses, one at a time: no dequantized model copy), without
         the value checks, which loading made once (`validate_quantized_experts`)."""
         weights = []
@@ -94,7 +114,8 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
 
     def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """When gradients flow through (LoRA on attention trains through frozen experts), the dequantized weights
-        are recomputed in backward instead of being kept: training holds no dequantized copy of the experts."""
+        are recomputed in backward instead of being kept: training holds no dequantized copy of the experts beyond
+        the small modules' cache (`expert_weights`)."""
         if torch.is_grad_enabled() and x.requires_grad:
             return torch.utils.checkpoint.checkpoint(super().expert_mlp, x, expert, use_reentrant=False)
         return super().expert_mlp(x, expert)

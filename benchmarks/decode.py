@@ -257,16 +257,14 @@ def layer_slice_config(variant: str, layers: int):
 def random_slice(config):
     """The model on the GPU with random weights, built on the meta device (no dequantized or fp32 copy on the way):
     bf16, except what the original keeps in fp32 and the packed experts' codes and scales."""
+    from full_scale import cast_to_bf16_
     from parallel import fill_randomly_
 
     from transformers_inkling2 import Inkling2ForCausalLM
 
     with torch.device("meta"):
         model = Inkling2ForCausalLM(config)
-    keep = model._keep_in_fp32_modules_strict
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and tensor.element_size() > 1 and not any(p in name for p in keep):
-            tensor.data = tensor.data.to(torch.bfloat16)
+    cast_to_bf16_(model)
     fill_randomly_(model.to_empty(device=DEVICE))
     return model.eval()
 

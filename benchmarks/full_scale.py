@@ -71,6 +71,14 @@ def keep_in_fp32(model, name: str) -> bool:
     return any(pattern in name for pattern in model._keep_in_fp32_modules_strict)
 
 
+def cast_to_bf16_(model) -> None:
+    """Float tensors to bf16 in place (the meta device included), except what the original keeps in fp32 and the
+    packed experts, whose one-byte codes and scales keep their dtypes."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.element_size() > 1 and not keep_in_fp32(model, name):
+            tensor.data = tensor.data.to(torch.bfloat16)
+
+
 def build(config, attention: str):
     """The split model, its blocks filled with random values on this rank's device."""
     from torch.distributed.tensor import DTensor
@@ -88,9 +96,7 @@ def build(config, attention: str):
     config._attn_implementation = attention
     with torch.device("meta"):
         model = Inkling2ForCausalLM(config)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and tensor.element_size() > 1 and not keep_in_fp32(model, name):
-            tensor.data = tensor.data.to(torch.bfloat16)  # packed experts keep their dtypes
+    cast_to_bf16_(model)
     model = Inkling2ForCausalLM.maybe_distribute_model(model, distributed_config, mesh_manager)
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

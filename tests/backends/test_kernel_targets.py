@@ -224,6 +224,17 @@ def convolution_calls() -> None:
         fused_prompt_convolution(context, x, torch.empty(channels, 1, kernel_size), math.sqrt(kernel_size + 1))
 
 
+def projection_calls() -> None:
+    """A decode step's six input projections of a sliding layer, one and 16 rows (the kernel's row range)."""
+    from transformers_inkling2.backends.projection_kernel import grouped_projections
+
+    heads, kv_heads, hidden = MODEL.swa_num_attention_heads, MODEL.swa_num_key_value_heads, MODEL.hidden_size
+    widths = [heads * MODEL.head_dim] * 2 + [heads * MODEL.d_rel, heads] + [kv_heads * MODEL.head_dim] * 2
+    for rows in (1, 16):
+        x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        grouped_projections([x] * 6, [torch.empty(n, hidden, dtype=torch.bfloat16) for n in widths])
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict[tuple[int, int], tuple[list[Launch], set[str]]]:
     """Per GPU generation, for the model's calls: the kernel launches, and the expert formats that took the hub
@@ -236,6 +247,7 @@ def recorded(tmp_path_factory) -> dict[tuple[int, int], tuple[list[Launch], set[
             routed_experts_calls(weights)
             attention_calls()
             convolution_calls()
+            projection_calls()
         result[capability] = launches, {call.args[5] for call in reference.call_args_list}
     return result
 

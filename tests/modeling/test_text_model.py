@@ -159,3 +159,23 @@ def test_a_bf16_decode_step_converts_no_tensor_twice():
         with Conversions() as conversions:
             model(input_ids[:, :1], attention_mask=torch.ones(2, 10, dtype=torch.long), past_key_values=cache)
     assert len(conversions.seen) > 100 and len(set(conversions.seen)) == len(conversions.seen)
+
+
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_attention_residual_steps_mix_as_prompts_do(num_queries):
+    """A step's few tokens mix by products and sums (what `torch.compile` fuses), a prompt's by einsums: per token
+    the same mix, fp32 within 1e-6 relative, on random blocks, partial block and queries."""
+    from transformers_inkling2.cache.common import MAX_STEP_TOKENS
+    from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2BlockAttentionResidual
+
+    config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
+    mix = Inkling2BlockAttentionResidual(config, num_queries)
+    generator = torch.Generator().manual_seed(num_queries)
+    torch.nn.init.normal_(mix.query, std=2.0, generator=generator)
+    blocks = torch.randn(2, 20, 3, config.hidden_size, generator=generator)
+    partial = torch.randn(2, 20, config.hidden_size, generator=generator) * 3
+    prompt = torch.stack(mix(blocks, partial))
+    steps = [torch.stack(mix(blocks[:, t : t + MAX_STEP_TOKENS], partial[:, t : t + MAX_STEP_TOKENS]))
+             for t in range(0, 20, MAX_STEP_TOKENS)]  # fmt: skip
+    assert prompt.shape == (num_queries, 2, 20, config.hidden_size)
+    assert ((torch.cat(steps, dim=2) - prompt).abs() / prompt.abs().clamp(min=1)).max() <= 1e-6

@@ -240,15 +240,18 @@ class Inkling2Attention(nn.Module):
         dtype = query_input.dtype
         token_mask = None if attention_mask is None else attention_mask[:, -length:]
 
+        query_states, gate, relative_states, sinks, key_states, value_states = self.projections(
+            query_input, key_input, value_input
+        )
         if self.is_sliding:
-            keys = self.k_sconv(self.k_proj(key_input), token_mask, cache, query_positions)
-            values = self.v_sconv(self.v_proj(value_input), token_mask, cache, query_positions)
+            keys = self.k_sconv(key_states, token_mask, cache, query_positions)
+            values = self.v_sconv(value_states, token_mask, cache, query_positions)
         else:
-            keys = self.k_sconv(self.k_proj(key_input), key_input, token_mask, cache, query_positions)
-            values = self.v_sconv(self.v_proj(value_input), value_input, token_mask, cache, query_positions)
+            keys = self.k_sconv(key_states, key_input, token_mask, cache, query_positions)
+            values = self.v_sconv(value_states, value_input, token_mask, cache, query_positions)
 
-        queries = self.q_l2_clip(self.q_proj(query_input).view(batch, length, -1, self.head_dim))
-        relative_states = self.rel_l2_clip(self.r_proj(query_input).view(batch, length, -1, self.config.d_rel))
+        queries = self.q_l2_clip(query_states.view(batch, length, -1, self.head_dim))
+        relative_states = self.rel_l2_clip(relative_states.view(batch, length, -1, self.config.d_rel))
         if not self.is_sliding:
             tau = self.log_scale(position_ids)
             queries, relative_states = queries * tau, relative_states * tau
@@ -280,15 +283,24 @@ class Inkling2Attention(nn.Module):
             keys,
             values,
             relative_logits=self.rel_logits_proj(relative_states),
-            sinks=self.sink_proj(query_input).transpose(1, 2),
+            sinks=sinks.transpose(1, 2),
             query_positions=query_positions,
             key_positions=key_positions,
             key_padding=key_padding,
             sliding_window=self.sliding_window,
             scaling=self.scaling,
         )
-        output = fp32_operand(output.reshape(batch, length, -1)) * torch.sigmoid(self.gate_proj(query_input).float())
+        output = fp32_operand(output.reshape(batch, length, -1)) * torch.sigmoid(gate.float())
         return self.o_proj(output.to(dtype)), probabilities[0] if probabilities else None
+
+    def projections(self, query_input, key_input, value_input) -> list[torch.Tensor]:
+        """q, gate, relative states and sink logits of the query input, k and v of theirs: one grouped GEMV where the
+        `input_projections` kernel takes them (a CUDA decode step), else the six linears."""
+        modules = [self.q_proj, self.gate_proj, self.r_proj, self.sink_proj, self.k_proj, self.v_proj]
+        inputs = [query_input] * 4 + [key_input, value_input]
+        fused = KERNELS.optional("input_projections")
+        outputs = None if fused is None else fused(inputs, modules)
+        return outputs if outputs is not None else [module(x) for module, x in zip(modules, inputs, strict=True)]
 
 
 # --- mixture of experts -------------------------------------------------------------------------------------------
@@ -359,6 +371,12 @@ class Inkling2BlockAttentionResidual(nn.Module):
     def forward(self, blocks: torch.Tensor, partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stack = with_block(blocks, partial)
         queries = self.query.float().view(-1, stack.shape[-1])
+        if stack.shape[1] <= MAX_STEP_TOKENS:
+            # A step's few tokens: the same sums as products and reductions, which `torch.compile` fuses with the
+            # norms around them; as einsums they are batched cuBLAS dot products, three launches of a few us each.
+            logits = (stack[:, :, None] * queries[:, None]).sum(-1)
+            weights = torch.softmax(logits / math.sqrt(stack.shape[-1]), -1)
+            return (weights[..., None] * stack[:, :, None]).sum(-2).unbind(-2)
         weights = torch.softmax(torch.einsum("qh,btnh->btqn", queries, stack) / math.sqrt(stack.shape[-1]), -1)
         return torch.einsum("btqn,btnh->btqh", weights, stack).unbind(-2)
 

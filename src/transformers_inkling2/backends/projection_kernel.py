@@ -1,11 +1,11 @@
 """A decode step's six attention input projections as one Triton GEMV launch.
 
-At one to a few dozen tokens a projection is a read of its weight matrix; what else it costs is per launch. cuBLAS
-gives the six input projections of a layer six launches (plus split-K reductions for the narrow ones, which reach
-under 40% of copy bandwidth). Here a program
-owns BLOCK_N output features of one weight for all the step's rows, streams that weight's rows once in BLOCK_K
-slices and accumulates with `tl.dot` in fp32 (the rows padded to BLOCK_M, at least 16, as the tensor cores take
-them); the programs of all the weights share one grid, so the narrow ones ride in the same wave as the wide ones.
+At a few tokens a projection is a read of its weight matrix; what else it costs is per launch. cuBLAS gives the six
+input projections of a layer six launches plus split-K reductions for the narrow ones (together 54% of copy
+bandwidth at one row on an H200). Here a program owns BLOCK_N output features of one weight for all the step's rows,
+streams that weight's rows once in BLOCK_K slices and accumulates with `tl.dot` in fp32 (the rows padded to 16, as
+the tensor cores take them); the programs of all the weights share one grid, so the narrow ones ride in the same
+wave as the wide ones: 94% of copy bandwidth at full width (docs/benchmarks.md).
 
 Each output is rounded once from its fp32 sum, as cuBLAS rounds its own: the two differ by the order of the sum
 only. Imported only when a CUDA tensor takes the path (`projections.py`; triton is not a CPU dependency).
@@ -91,6 +91,8 @@ def _new_outputs(inputs, weights) -> list[torch.Tensor]:
 def grouped_projections(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """`[x @ w.T for x, w in zip(inputs, weights)]` in one launch: each x [rows, K] and w [n_i, K] contiguous, one
     dtype, at most MAX_WEIGHTS pairs. A custom op: the compiled decode steps call it as it is."""
+    if not 0 < len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"grouped_projections takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}.")
     outputs = _new_outputs(inputs, weights)
     rows, width = inputs[0].shape
     config = launch_config(rows)

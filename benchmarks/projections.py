@@ -1,9 +1,9 @@
 """A decode step's attention projections on one GPU: cuBLAS (the reference path) against our GEMVs.
 
 For the full-width attention (hidden 4,608; 48 q / 8 kv heads of 128, d_rel 16) and the TP4-shaped one (12 / 2
-heads), bf16, at 1, 8 and 16 rows: the six input projections as the reference runs them (six `nn.Linear` calls) and
-as `backends/projections.py` runs them (one grouped GEMV). Each variant is captured 20 times in one CUDA graph and replayed, as a decode step's graph replays
-it, so that host launch costs drop out; time per call, and the weights' bytes over that time as GB/s and as % of
+heads), bf16, at 1, 8 and 16 rows: the six input projections as the reference runs them (six `nn.Linear` calls)
+and as `backends/projections.py` runs them (one grouped GEMV). Each variant is captured 20 times in one CUDA graph
+and replayed, as a decode step's graph replays it, so that host launch costs drop out; time per call, and the weights' bytes over that time as GB/s and as % of
 the GPU's copy bandwidth. With `--sweep` it first times every tile of a grid per row bucket (the input projections
 of both shapes) and prints the fastest, the values for `projection_kernel.CONFIGS`.
 

@@ -4,8 +4,9 @@ For the full-width attention (hidden 4,608; 48 q / 8 kv heads of 128, d_rel 16) 
 heads), bf16, at 1, 8 and 16 rows: the six input projections as the reference runs them (six `nn.Linear` calls)
 and as `backends/projections.py` runs them (one grouped GEMV). Each variant is captured 20 times in one CUDA graph
 and replayed, as a decode step's graph replays it, so that host launch costs drop out; time per call, and the
-weights' bytes over that time as GB/s and as % of the GPU's copy bandwidth. With `--sweep` it first times every tile of a grid per row bucket (the input projections
-of both shapes) and prints the fastest, the values for `projection_kernel.CONFIGS`.
+weights' bytes over that time as GB/s and as % of the GPU's copy bandwidth. With `--sweep` it first times every
+tile of a grid per row bucket (the input projections of both shapes) and prints the fastest, the values for
+`projection_kernel.CONFIGS`.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site

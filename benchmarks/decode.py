@@ -67,8 +67,9 @@ SLIDING_KEYS = WINDOW - 1 + 8  # what a sliding layer's cache holds (window - 1 
 LAYERS = 6
 
 
-def graph_ms(fn, repeats: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph holding one call of fn."""
+def graph_ms(fn, repeats: int = 20, calls: int = 1) -> float:
+    """Median ms per call of fn, from replays of a CUDA graph holding `calls` calls (more calls: a short kernel's
+    time without the replay's own launch)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -77,8 +78,9 @@ def graph_ms(fn, repeats: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return cuda_ms(graph.replay, warmup=3, repeats=repeats)
+        for _ in range(calls):
+            fn()
+    return cuda_ms(graph.replay, warmup=3, repeats=repeats) / calls
 
 
 # --- part 1: attention only ----------------------------------------------------------------------------------------
@@ -386,7 +388,8 @@ def main():
     parser.add_argument("--skip-model", action="store_true", help="attention microbenchmark only")
     parser.add_argument("--skip-attention", action="store_true", help="model slice only")
     parser.add_argument("--compile", action="store_true",
-                        help="also the static-cache steps compiled with torch.compile (CompileConfig()) inside the graphs")
+                        help="also the static-cache steps compiled with torch.compile (CompileConfig()) inside the "
+                        "graphs")
     parser.add_argument("--no-flex-decode", dest="flex_decode", action="store_false",
                         help="leave out inkling2_flex_decode (shorter runs)")
     parser.add_argument("--per-layer", nargs="+", choices=PER_LAYER_VARIANTS,

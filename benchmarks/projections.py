@@ -5,8 +5,8 @@ heads), bf16, at 1, 8 and 16 rows: the six input projections as the reference ru
 and as `backends/projections.py` runs them (one grouped GEMV). Each variant is captured 20 times in one CUDA graph
 and replayed, as a decode step's graph replays it, so that host launch costs drop out; time per call, and the
 weights' bytes over that time as GB/s and as % of the GPU's copy bandwidth. With `--sweep` it first times every
-tile of a grid per row bucket (the input projections of both shapes) and prints the fastest, the values for
-`projection_kernel.CONFIGS`.
+tile of a grid (the input projections of both shapes at 1 and 8 rows) and uses the fastest, the value for
+`projection_kernel.TILE`.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import DEVICE, cuda_ms, environment, markdown_table, write_report  # noqa: E402
-from decode import copy_bandwidth_gb_s  # noqa: E402
+from decode import copy_bandwidth_gb_s, graph_ms  # noqa: E402
 
 from transformers_inkling2.backends import projection_kernel  # noqa: E402
 from transformers_inkling2.backends.projections import input_projections  # noqa: E402
@@ -37,8 +37,9 @@ HIDDEN, HEAD_DIM, D_REL = 4608, 128, 16
 SHAPES = {"full width": (48, 8), "tp4": (12, 2)}
 ROWS = (1, 8, 16)
 CALLS_PER_GRAPH = 20
-# (BLOCK_N, BLOCK_K, warps, stages) grid per row bucket
-SWEEP = {16: ((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))}
+SWEEP_ROWS = (1, 8)
+# (BLOCK_N, BLOCK_K, warps, stages)
+SWEEP = ((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))
 
 
 def attention_linears(heads: int, kv_heads: int, generator) -> list[nn.Linear]:
@@ -51,20 +52,6 @@ def attention_linears(heads: int, kv_heads: int, generator) -> list[nn.Linear]:
 
     widths = [heads * HEAD_DIM, heads * HEAD_DIM, heads * D_REL, heads, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM]
     return [linear(HIDDEN, n) for n in widths]
-
-
-def per_call_ms(fn) -> float:
-    """ms of one call of fn, from a CUDA graph holding CALLS_PER_GRAPH calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    return cuda_ms(graph.replay, warmup=3, repeats=15) / CALLS_PER_GRAPH
 
 
 def weight_bytes(modules) -> int:
@@ -86,7 +73,7 @@ def compare(bandwidth: float) -> list[dict]:
                 assert input_projections([x] * 6, linears) is not None
 
             for name, fn in (("cuBLAS (reference)", reference), ("ours", ours)):
-                ms = per_call_ms(fn)
+                ms = graph_ms(fn, calls=CALLS_PER_GRAPH)
                 read = weight_bytes(linears)
                 rows_out.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, gb_s=read / ms / 1e6,
                                      share=read / ms / 1e6 / bandwidth))  # fmt: skip
@@ -94,28 +81,25 @@ def compare(bandwidth: float) -> list[dict]:
     return rows_out
 
 
-def sweep() -> dict:
-    """{bucket: (best config, its summed us over the shapes and rows of that bucket)} for the input projections."""
+def sweep() -> tuple[tuple, float]:
+    """(the fastest tile, its us summed over both shapes at SWEEP_ROWS rows) for the input projections."""
     generator = torch.Generator(device=DEVICE).manual_seed(1)
     shapes = [attention_linears(heads, kv, generator) for heads, kv in SHAPES.values()]
-    best = {}
-    for bucket, rows_of_bucket in ((16, (1, 8)),):
-        timings = {}
-        for config in itertools.product(*SWEEP[bucket]):
-            projection_kernel.CONFIGS[bucket] = config
-            try:
-                total = 0.0
-                for linears in shapes:
-                    for rows in rows_of_bucket:
-                        x = torch.randn(rows, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
-                        total += per_call_ms(lambda: input_projections([x] * 6, linears)) * 1000
-                timings[config] = total
-            except Exception as error:  # noqa: BLE001  (a tile past shared memory: skipped)
-                print(bucket, config, type(error).__name__, str(error)[:120], flush=True)
-        ranked = sorted(timings.items(), key=lambda item: item[1])
-        print(bucket, "fastest", ranked[:5], flush=True)
-        best[bucket] = ranked[0]
-    return best
+    timings = {}
+    for tile in itertools.product(*SWEEP):
+        projection_kernel.TILE = tile
+        try:
+            total = 0.0
+            for linears in shapes:
+                for rows in SWEEP_ROWS:
+                    x = torch.randn(rows, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
+                    total += graph_ms(lambda: input_projections([x] * 6, linears), calls=CALLS_PER_GRAPH) * 1000
+            timings[tile] = total
+        except Exception as error:  # noqa: BLE001  (a tile past shared memory: skipped)
+            print(tile, type(error).__name__, str(error)[:120], flush=True)
+    ranked = sorted(timings.items(), key=lambda item: item[1])
+    print("fastest", ranked[:5], flush=True)
+    return ranked[0]
 
 
 def main() -> None:
@@ -124,9 +108,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gb_s()
-    best = sweep() if args.sweep else {}
-    for bucket, (config, _) in best.items():
-        projection_kernel.CONFIGS[bucket] = config
+    best = sweep() if args.sweep else None
+    if best is not None:
+        projection_kernel.TILE = best[0]
     rows = compare(bandwidth)
     table = markdown_table(
         ["shape", "rows", "path", "us", "GB/s", "% of copy"],
@@ -134,10 +118,9 @@ def main() -> None:
          for r in rows],
     )  # fmt: skip
     text = (f"# Attention projections of a decode step\n\n{environment()}; copy bandwidth {bandwidth:.0f} GB/s; "
-            f"tiles (BLOCK_N, BLOCK_K, warps, stages) per row bucket: {projection_kernel.CONFIGS}"
+            f"tile (BLOCK_N, BLOCK_K, warps, stages) {projection_kernel.TILE}"
             f"\n\n{table}")  # fmt: skip
-    write_report(args.out, "projections", text, dict(rows=rows, sweep={k: v for k, v in best.items()},
-                                                      configs=projection_kernel.CONFIGS))  # fmt: skip
+    write_report(args.out, "projections", text, dict(rows=rows, sweep=best, tile=projection_kernel.TILE))
 
 
 if __name__ == "__main__":

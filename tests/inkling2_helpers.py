@@ -299,6 +299,12 @@ def run_steps(model, cache, input_ids, attention_mask, step_sizes, forward=None,
     return logits
 
 
+def within(actual, expected, tolerance):
+    """max |actual - expected| / max(|expected|, 1) <= tolerance: a relative bound that turns absolute near zero."""
+    expected = expected.float()
+    return ((actual.float() - expected).abs() / expected.abs().clamp(min=1)).max().item() <= tolerance
+
+
 def assert_same_logits(expected, actual, atol=1e-4):
     assert len(expected) == len(actual)
     for e, a in zip(expected, actual):

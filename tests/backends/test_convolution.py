@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inkling2_helpers import needs_triton, run_under_triton_interpreter
+from inkling2_helpers import needs_triton, run_under_triton_interpreter, within
 
 from transformers_inkling2.backends.convolution import (
     MAX_KERNEL_SIZE,
@@ -56,12 +56,6 @@ def reference_pair(convolution, x, history):
     return expected, join_convolution_context(history, x.float().transpose(1, 2))
 
 
-def within(actual, expected, tolerance):
-    """max |actual - expected| / max(|expected|, 1) <= tolerance."""
-    expected = expected.float()
-    return ((actual.float() - expected).abs() / expected.abs().clamp(min=1)).max().item() <= tolerance
-
-
 def conv1d_tolerance(dtype):
     """Of `within` against `F.conv1d`: fp32 sums in another order; a low-precision output may round the other way."""
     return 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
@@ -79,7 +73,8 @@ import json, math, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
-from test_convolution import conv1d_tolerance, convolution_inputs, reference_pair, within, within_one_ulp
+from inkling2_helpers import within
+from test_convolution import conv1d_tolerance, convolution_inputs, reference_pair, within_one_ulp
 from transformers_inkling2.backends.convolution import short_convolution_sum
 from transformers_inkling2.backends.convolution_kernel import BLOCK_C, BLOCK_T, short_convolution
 

@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 MAX_WEIGHTS = 6  # q, gate, relative, sink, k, v
-# per row bucket (the padded rows): (BLOCK_N, BLOCK_K, warps, stages)
-# (`benchmarks/projections.py --sweep` on an H200, 2026-12-04: the fastest of 36 tiles at 1 and 8 rows; at 64 rows the
-# fastest tile still lost to cuBLAS, so `projections.MAX_ROWS` stops at 16)
-CONFIGS = {16: (32, 128, 4, 3)}
+BLOCK_M = 16  # the step's rows, padded to what the tensor cores take; at 64 rows cuBLAS won, so the kernel stops here
+# (BLOCK_N, BLOCK_K, warps, stages): `benchmarks/projections.py --sweep` on an H200, 2026-12-04, the fastest of 36
+# tiles at 1 and 8 rows
+TILE = (32, 128, 4, 3)
 
 
 # kernel signatures and pointer arithmetic read better packed
@@ -75,12 +75,11 @@ def _grouped_kernel(x0, x1, x2, x3, x4, x5, w0, w1, w2, w3, w4, w5, y0, y1, y2, 
 
 # fmt: on
 def launch_config(rows: int) -> dict:
-    """The tile for `rows` rows: BLOCK_M (rows padded to a power of two, at least 16) and its bucket's tiles."""
-    block_m = max(16, triton.next_power_of_2(rows))
-    if block_m not in CONFIGS:
-        raise ValueError(f"The projection GEMVs take at most {max(CONFIGS)} rows, got {rows}.")
-    block_n, block_k, warps, stages = CONFIGS[block_m]
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
+    """The launch's tile for `rows` rows (at most BLOCK_M)."""
+    if not 0 < rows <= BLOCK_M:
+        raise ValueError(f"The projection GEMVs take 1 to {BLOCK_M} rows, got {rows}.")
+    block_n, block_k, warps, stages = TILE
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
 
 
 def _new_outputs(inputs, weights) -> list[torch.Tensor]:
@@ -109,4 +108,4 @@ def _(inputs, weights):
     return _new_outputs(inputs, weights)
 
 
-__all__ = ["CONFIGS", "MAX_WEIGHTS", "grouped_projections", "launch_config"]
+__all__ = ["BLOCK_M", "MAX_WEIGHTS", "TILE", "grouped_projections", "launch_config"]

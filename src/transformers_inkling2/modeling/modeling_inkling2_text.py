@@ -318,6 +318,13 @@ class Inkling2TopKRouter(nn.Module):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, weights, chosen experts) of x [rows, hidden]; from the `top_k_routing` kernel where it takes
+        them (a CUDA decode step), else computed here."""
+        fused = KERNELS.optional("top_k_routing")
+        bias = self.e_score_correction_bias
+        routed = None if fused is None else fused(x, self.weight, bias, self.top_k, self.route_scale)
+        if routed is not None:
+            return routed
         logits = F.linear(x.float(), self.weight.float())
         scores = torch.sigmoid(logits)
         chosen = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False).indices
@@ -536,8 +543,9 @@ class Inkling2PreTrainedModel(PreTrainedModel):
         initialized), with the steps registered in `interfaces.LOADING_HOOKS` (the experts' storage read from the
         tensor headers before the model is built, the bundled drafter, scale checks) and three checks that fail
         loudly, naming the tensor (`loading_checks`): a checkpoint whose names did not convert (most of the model
-        missing, tensors under unknown names instead; `allow_incomplete_checkpoint=True` loads it anyway), a weight stored as integers, and NaN or
-        infinite weights (`check_finite_weights=False` skips that one; see docs/loading.md for its cost)."""
+        missing, tensors under unknown names instead; `allow_incomplete_checkpoint=True` loads it anyway), a weight
+        stored as integers, and NaN or infinite weights (`check_finite_weights=False` skips that one; see
+        docs/loading.md for its cost)."""
         checkpoint, revision = pretrained_model_name_or_path, kwargs.get("revision")
         return_info = kwargs.pop("output_loading_info", False)
         config = kwargs.pop("config", None)

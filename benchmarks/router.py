@@ -1,0 +1,75 @@
+"""A decode step's router on one GPU: the reference (fp32 cuBLAS GEMV, `torch.topk` and elementwise passes) against
+our two launches (`backends/router_kernel.py`).
+
+Inkling-2-Small's router (hidden 4,608, 384 experts, top-8) and a TP4/EP4-shaped one (96 experts, top-2), bf16
+inputs, fp32 weights, at 1, 8 and 64 rows. Each variant is captured 20 times in one CUDA graph and replayed, as a
+decode step's graph replays it; time per call, and the weight's bytes over that time as % of the copy bandwidth.
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PWD/src:/tmp/site
+    python3 benchmarks/router.py [--out DIR]
+
+Writes `router.md` (+ `.json`) under --out (default $OUT, else ./).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import DEVICE, environment, markdown_table, write_report  # noqa: E402
+from decode import copy_bandwidth_gb_s, graph_ms  # noqa: E402
+
+from transformers_inkling2 import Inkling2TextConfig  # noqa: E402
+from transformers_inkling2.backends.routing import top_k_routing  # noqa: E402
+from transformers_inkling2.modeling.interfaces import KERNELS  # noqa: E402
+from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2TopKRouter  # noqa: E402
+
+HIDDEN = 4608
+SHAPES = {"full width": (384, 8), "tp4": (96, 2)}
+ROWS = (1, 8, 64)
+CALLS_PER_GRAPH = 20
+
+
+def compare(bandwidth: float) -> list[dict]:
+    results = []
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for shape, (experts, top_k) in SHAPES.items():
+        config = Inkling2TextConfig(hidden_size=HIDDEN, n_routed_experts=experts, num_experts_per_tok=top_k)
+        router = Inkling2TopKRouter(config).to(DEVICE).requires_grad_(False)
+        router.weight.copy_(torch.randn(experts, HIDDEN, device=DEVICE, generator=generator) / HIDDEN**0.5)
+        read = router.weight.numel() * router.weight.element_size()
+        for rows in ROWS:
+            x = torch.randn(rows, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
+            entry = KERNELS._entries.pop("top_k_routing")
+            reference_ms = graph_ms(lambda: router(x), calls=CALLS_PER_GRAPH)
+            KERNELS._entries["top_k_routing"] = entry
+            assert top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, 1.0) is not None
+            ours_ms = graph_ms(lambda: router(x), calls=CALLS_PER_GRAPH)
+            for name, ms in (("reference (cuBLAS + torch.topk)", reference_ms), ("ours, two launches", ours_ms)):
+                results.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, share=read / ms / 1e6 / bandwidth))
+                print(results[-1], flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth_gb_s()
+    results = compare(bandwidth)
+    table = markdown_table(
+        ["shape", "rows", "path", "us", "% of copy"],
+        [[r["shape"], r["rows"], r["path"], f"{r['us']:.1f}", f"{100 * r['share']:.0f}"] for r in results],
+    )
+    text = f"# Router of a decode step\n\n{environment()}; copy bandwidth {bandwidth:.0f} GB/s\n\n{table}"
+    write_report(args.out, "router", text, dict(rows=results))
+
+
+if __name__ == "__main__":
+    main()

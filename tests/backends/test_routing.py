@@ -1,0 +1,113 @@
+"""A decode step's router (`backends/routing.py`, `backends/router_kernel.py`) against the reference
+(`Inkling2TopKRouter`'s own computation) on fresh random inputs, and which calls take the kernels.
+
+Tolerances. Logits: fp32 sums in another order, 1e-5 relative to max(|reference|, 1). Chosen experts: the same set
+(random scores have no near-ties at that error). Weights: 1e-5 relative (sigmoid through another exp, sums of eight
+in another order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from inkling2_helpers import needs_triton, run_under_triton_interpreter, within
+
+from transformers_inkling2 import Inkling2TextConfig
+from transformers_inkling2.backends.routing import MAX_ROWS, top_k_routing
+from transformers_inkling2.modeling.interfaces import KERNELS
+from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2TopKRouter
+
+
+def router_case(rows, width, experts, top_k, dtype, seed, device="cpu"):
+    """(x [rows, width] of dtype, a router of `experts` fp32 weights and a random score bias)."""
+    generator = torch.Generator().manual_seed(seed)
+    config = Inkling2TextConfig(hidden_size=width, n_routed_experts=experts, num_experts_per_tok=top_k, route_scale=2.5)
+    router = Inkling2TopKRouter(config)
+    router.weight.data = torch.randn(experts, width, generator=generator) / width**0.5
+    router.e_score_correction_bias.copy_(torch.rand(experts, generator=generator) * 0.1)
+    x = torch.randn(rows, width, generator=generator).to(dtype)
+    return x.to(device), router.to(device)
+
+
+def agrees(routed, expected) -> list[bool]:
+    """[shapes and dtypes, logits within bound, the same experts per row, their weights within bound]."""
+    logits, weights, chosen = routed
+    expected_logits, expected_weights, expected_chosen = expected
+    order, expected_order = chosen.sort(-1).indices, expected_chosen.sort(-1).indices
+    return [
+        all(a.shape == e.shape and a.dtype == e.dtype for a, e in zip(routed, expected, strict=True)),
+        within(logits, expected_logits, 1e-5),
+        torch.equal(chosen.sort(-1).values, expected_chosen.sort(-1).values),
+        within(weights.gather(-1, order), expected_weights.gather(-1, expected_order), 1e-5),
+    ]
+
+
+_INTERPRETER_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from test_routing import agrees, router_case
+from transformers_inkling2.backends.router_kernel import top_k_routing
+
+# widths off BLOCK_K and the K slices, expert counts off BLOCK_E, 1 to 64 rows, bf16 and fp32 inputs
+results = {}
+for seed, (rows, width, experts, top_k) in enumerate([(1, 200, 40, 8), (5, 96, 384, 8), (16, 130, 17, 3),
+                                                      (64, 72, 96, 2)]):
+    dtype = torch.bfloat16 if seed % 2 == 0 else torch.float32
+    x, router = router_case(rows, width, experts, top_k, dtype, seed)
+    with torch.no_grad():
+        expected = router(x)
+        routed = top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, router.route_scale)
+    results[f"{rows}x{width} {dtype} -> top-{top_k} of {experts}"] = agrees(routed, expected)
+print(json.dumps(results))
+"""
+
+
+@needs_triton
+def test_kernels_under_the_triton_interpreter_equal_the_reference():
+    """`[shapes and dtypes, logits, experts, weights]` all within bound, per case."""
+    here = Path(__file__).parent
+    results = run_under_triton_interpreter(_INTERPRETER_SCRIPT, str(here.parent), str(here))
+    assert len(results) == 4 and all(all(checks) for checks in results.values()), results
+
+
+def test_cpu_tensors_keep_the_reference_path():
+    x, router = router_case(1, 64, 16, 4, torch.bfloat16, seed=1)
+    assert top_k_routing(x, router.weight, router.e_score_correction_bias, 4, 2.5) is None
+
+
+def test_the_router_asks_the_registered_kernel(monkeypatch):
+    """The router hands its call to the registry's entry and returns what that returns."""
+    assert KERNELS.get("top_k_routing") is top_k_routing
+    x, router = router_case(3, 64, 16, 4, torch.float32, seed=2)
+    handed = []
+
+    def recording(*args):
+        handed.append(args)
+        return "routed"
+
+    monkeypatch.setitem(KERNELS._entries, "top_k_routing", recording)
+    assert router(x) == "routed"
+    assert handed[0][0] is x and handed[0][1] is router.weight and handed[0][3:] == (4, 2.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, MAX_ROWS])
+@pytest.mark.parametrize("experts, top_k", [(384, 8), (96, 2)])
+def test_gpu_kernels_at_model_shapes(rows, experts, top_k):
+    """Inkling-2-Small's router (hidden 4,608, 384 experts, top-8) and a TP4/EP4-shaped one (96, top-2), bf16
+    inputs: the kernels through the dispatch against the reference on the same GPU."""
+    x, router = router_case(rows, 4608, experts, top_k, torch.bfloat16, seed=rows, device="cuda")
+    router.requires_grad_(False)
+    fused = top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, router.route_scale)
+    entry = KERNELS._entries.pop("top_k_routing")
+    try:
+        expected = router(x)
+    finally:
+        KERNELS._entries["top_k_routing"] = entry
+    assert all(agrees(fused, expected))
+    router.requires_grad_(True)
+    assert top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, 2.5) is None  # gradients

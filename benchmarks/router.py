@@ -2,7 +2,7 @@
 our two launches (`backends/router_kernel.py`).
 
 Inkling-2-Small's router (hidden 4,608, 384 experts, top-8) and a TP4/EP4-shaped one (96 experts, top-2), bf16
-inputs, fp32 weights, at 1, 8 and 64 rows. Each variant is captured 20 times in one CUDA graph and replayed, as a
+inputs, fp32 weights, at 1, 8 and 16 rows. Each variant is captured 20 times in one CUDA graph and replayed, as a
 decode step's graph replays it; time per call, and the weight's bytes over that time as % of the copy bandwidth.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -32,7 +32,7 @@ from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2TopKRo
 
 HIDDEN = 4608
 SHAPES = {"full width": (384, 8), "tp4": (96, 2)}
-ROWS = (1, 8, 64)
+ROWS = (1, 8, 16)
 CALLS_PER_GRAPH = 20
 
 

@@ -101,6 +101,7 @@ def _register_fast_paths() -> None:
     for fmt in ("nvfp4", "mxfp8"):
         EXPERT_STORAGES.register(fmt, f"{_PACKAGE}.quantization.experts:Inkling2QuantizedExperts")
     KERNELS.register("prompt_convolution", f"{_PACKAGE}.backends.convolution:fused_prompt_convolution")
+    KERNELS.register("step_convolution", f"{_PACKAGE}.backends.convolution:fused_step_convolution")
     KERNELS.register("routed_experts", f"{_PACKAGE}.backends.kernel_loading:routed_experts")
     KERNELS.register("input_projections", f"{_PACKAGE}.backends.projections:input_projections")
     KERNELS.register("top_k_routing", f"{_PACKAGE}.backends.routing:top_k_routing")

@@ -21,10 +21,12 @@ from inkling2_helpers import needs_triton, run_under_triton_interpreter, within
 from transformers_inkling2.backends.convolution import (
     MAX_KERNEL_SIZE,
     fused_prompt_convolution,
+    fused_step_convolution,
     runs_fused,
     short_convolution_sum,
 )
-from transformers_inkling2.cache.common import join_convolution_context
+from transformers_inkling2.cache.common import MAX_STEP_TOKENS, join_convolution_context
+from transformers_inkling2.modeling.interfaces import KERNELS
 from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2ShortConvolution, depthwise_convolution
 
 
@@ -190,3 +192,93 @@ def test_gpu_kernel_past_2_31_elements():
         held = context[row : row + 1, :, tokens.start : tokens.stop + 3].cpu()
         expected = short_convolution_sum(held, x[row : row + 1, tokens].cpu(), weight.squeeze(1).cpu(), math.sqrt(5))
         assert torch.equal(fused[row : row + 1, tokens].cpu(), expected)
+
+
+# --- decode steps over the static cache (`fused_step_convolution`, `convolution_kernel.step_convolution`) ------------
+
+
+def run_steps_both_ways(channels, kernel_size, dtype, seed, step_kernel, device="cpu"):
+    """A prompt of 11 tokens, then steps of 1, 3, 1, 8 and 2 tokens (two rows, padding in some), through two static
+    caches: the module's reference path on one, `step_kernel(x, mask, ring, slots..., weight, divisor)` on the other's
+    ring for the steps. `[(step, output within tolerance of the reference, the two rings equal)]`."""
+    from transformers_inkling2 import Inkling2TextConfig
+    from transformers_inkling2.cache.static import Inkling2StaticCache
+
+    generator = torch.Generator().manual_seed(seed)
+    config = Inkling2TextConfig(conv_kernel_size=kernel_size)
+    reference_cache, kernel_cache = (Inkling2StaticCache(config, max_cache_len=64) for _ in range(2))
+    convolution = Inkling2ShortConvolution(channels, kernel_size, layer_idx=0, conv_idx=0)
+    convolution.conv1d.weight.data = torch.randn(channels, 1, kernel_size, generator=generator)
+    convolution = convolution.to(device).requires_grad_(False)
+    weight, divisor = convolution.conv1d.weight.squeeze(1), math.sqrt(kernel_size + 1)
+    results, start = [], 0
+    for length in (11, 1, 3, 1, 8, 2):
+        x = torch.randn(2, length, channels, generator=generator).to(device, dtype)
+        mask = None if length % 3 else (torch.rand(2, length, generator=generator) > 0.3).to(device)
+        positions = torch.arange(start, start + length, device=device)
+        expected = convolution(x, mask, reference_cache, positions)
+        if length <= MAX_STEP_TOKENS:
+            shape_only = x.new_empty(2, channels, 0, dtype=torch.float32)
+            ring, step = kernel_cache.step_convolution_ring(0, 0, shape_only, kernel_size, positions)
+            got = step_kernel(x, mask, ring, step.history_slots, step.history_held, step.conv_write, weight, divisor)
+            rings = reference_cache.layers[0].conv_inputs[0], kernel_cache.layers[0].conv_inputs[0]
+            close = got.dtype == dtype and within(got, expected, conv1d_tolerance(dtype))
+            results.append((length, close, torch.equal(*rings)))
+        else:  # a prompt: both through the reference
+            convolution(x, mask, kernel_cache, positions)
+        start += length
+    return results
+
+
+_STEP_INTERPRETER_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from test_convolution import run_steps_both_ways
+from transformers_inkling2.backends.convolution_kernel import BLOCK_C, step_convolution
+
+results = {}
+for seed, (channels, k, dtype) in enumerate([(48, 4, torch.float32), (300, 2, torch.bfloat16), (40, 3, torch.float32)]):
+    assert channels < BLOCK_C or channels % BLOCK_C  # a partial channel tile
+    results[f"{channels} channels, k={k}, {dtype}"] = run_steps_both_ways(channels, k, dtype, seed, step_convolution)
+print(json.dumps(results))
+"""
+
+
+@needs_triton
+def test_step_kernel_under_the_triton_interpreter_equals_the_module_and_keeps_the_ring():
+    """Steps of 1-8 tokens after a prompt, padding in some, k = 2..4, fp32 and bf16: each step's output within
+    tolerance of the module's reference path, and the ring it wrote equal to the reference's."""
+    here = Path(__file__).parent
+    results = run_under_triton_interpreter(_STEP_INTERPRETER_SCRIPT, str(here.parent), str(here))
+    assert len(results) == 3 and all(ok and same for steps in results.values() for _, ok, same in steps), results
+    assert all([length for length, *_ in steps] == [1, 3, 1, 8, 2] for steps in results.values())
+
+
+def test_step_kernel_only_for_cuda_steps_over_the_static_cache():
+    """CPU steps, the dynamic cache and prompts keep the reference: the hook declines."""
+    from transformers_inkling2 import Inkling2TextConfig
+    from transformers_inkling2.cache.dynamic import Inkling2Cache
+    from transformers_inkling2.cache.static import Inkling2StaticCache
+
+    config = Inkling2TextConfig()
+    x, weight = torch.randn(1, 1, 16), torch.randn(16, 1, 4)
+    static = Inkling2StaticCache(config, max_cache_len=16)
+    assert fused_step_convolution(x, None, static, 0, 0, torch.arange(1), weight, math.sqrt(5)) is None
+    assert fused_step_convolution(x, None, Inkling2Cache(config), 0, 0, torch.arange(1), weight, 2.0) is None
+    assert KERNELS.get("step_convolution") is fused_step_convolution
+    prompt = torch.arange(MAX_STEP_TOKENS + 1)
+    assert static.step_convolution_ring(0, 0, x.new_empty(1, 16, 0), 4, prompt) is None  # not read from the ring
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_step_kernel_full_width(dtype):
+    """4,608 channels, k = 4, on the GPU: steps through the dispatch's kernel against the module's reference path
+    (cuDNN) within tolerance, the rings equal."""
+    from transformers_inkling2.backends.convolution_kernel import step_convolution
+
+    with torch.no_grad():
+        results = run_steps_both_ways(4608, 4, dtype, 5, step_convolution, device="cuda")
+    assert len(results) == 5 and all(ok and same for _, ok, same in results), results

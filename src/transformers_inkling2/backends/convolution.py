@@ -1,18 +1,24 @@
-"""The short convolutions of a prefill as one fused kernel on CUDA.
+"""The short convolutions of a prefill, and of a decode step over the static cache, as one fused kernel each on CUDA.
 
-Registered as the model's `"prompt_convolution"` kernel (`modeling.interfaces.KERNELS`). The reference
+Registered as the model's `"prompt_convolution"` and `"step_convolution"` kernels (`modeling.interfaces.KERNELS`).
+The reference
 (`Inkling2ShortConvolution`) runs `F.conv1d` on the [batch, C, T + k - 1] context, then adds the
 residual, scales and casts: over a long prompt, several passes through fp32 activations, one of them a transposing
 copy. Written as a sum of k shifted products (`short_convolution_sum`, the readable form the tests hold the kernel
 to), the same computation is one Triton kernel (`convolution_kernel`) that reads the context where it lies
-(time-major for a prompt, see `cache.common.join_convolution_context`) and writes the output dtype. Decode and
-verification steps (at most `MAX_STEP_TOKENS` tokens, as for attention) keep the reference path and its layout, so
-that what CUDA graphs capture stays as it was.
+(time-major for a prompt, see `cache.common.join_convolution_context`) and writes the output dtype.
+
+A decode or verification step (at most `MAX_STEP_TOKENS` tokens, as for attention) over `Inkling2StaticCache` costs
+the reference a ring write, a gather of its context, cuDNN's convolution and the residual's pass: one kernel
+(`convolution_kernel.step_convolution`, a custom op the compiled steps capture) reads the history from the ring,
+computes the same sum and writes the step's inputs into the ring. Other caches, and steps that do not read their
+whole context from the ring, keep the reference.
 """
 
 import torch
 
 from ..cache.common import MAX_STEP_TOKENS
+from ..cache.static import Inkling2StaticCache
 from ..modeling.tensors import differentiable
 from .attention.flex import on_cuda_outside_compile
 
@@ -47,4 +53,31 @@ def fused_prompt_convolution(context: torch.Tensor, x: torch.Tensor, weight: tor
     return short_convolution(context, x, weight.squeeze(1), divisor)
 
 
-__all__ = ["MAX_KERNEL_SIZE", "fused_prompt_convolution", "runs_fused", "short_convolution_sum"]
+def fused_step_convolution(x, token_mask, cache, layer_idx, conv_idx, query_positions, weight, divisor):
+    """`Inkling2ShortConvolution`'s output for a CUDA step of x [batch, T, C] over a static cache, its inputs written
+    into the cache's ring, in one launch; None where the reference runs (see the module docstring). weight [C, 1, k]
+    fp32 as `F.conv1d` takes it."""
+    if not isinstance(cache, Inkling2StaticCache) or not x.is_cuda or x.shape[1] > MAX_STEP_TOKENS:
+        return None
+    if weight.shape[-1] > MAX_KERNEL_SIZE or differentiable(x, weight):
+        return None
+    batch, _, channels = x.shape
+    shape_only = x.new_empty(batch, channels, 0, dtype=torch.float32)  # the ring's shape, dtype and device
+    ring_and_step = cache.step_convolution_ring(layer_idx, conv_idx, shape_only, weight.shape[-1], query_positions)
+    if ring_and_step is None:
+        return None
+    ring, step = ring_and_step
+    from .convolution_kernel import step_convolution  # Triton, imported where the kernel runs
+
+    return step_convolution(
+        x, token_mask, ring, step.history_slots, step.history_held, step.conv_write, weight.squeeze(1), divisor
+    )
+
+
+__all__ = [
+    "MAX_KERNEL_SIZE",
+    "fused_prompt_convolution",
+    "fused_step_convolution",
+    "runs_fused",
+    "short_convolution_sum",
+]

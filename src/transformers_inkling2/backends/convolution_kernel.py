@@ -1,4 +1,5 @@
-"""A prompt's short convolution (`convolution.short_convolution_sum`) as one hand-written Triton kernel.
+"""A prompt's short convolution (`convolution.short_convolution_sum`) as one hand-written Triton kernel, and a decode
+step's, which also reads and writes its inputs' ring in the static cache.
 
 `torch.compile` made the same single kernel, but traced and compiled it again in every fresh process: about 12 s
 before the first long prefill (issue #27). Triton compiles this kernel once per dtype, kernel size and stride
@@ -15,6 +16,8 @@ tensor takes the fused path (triton is not a CPU dependency).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -77,4 +80,102 @@ def short_convolution(context: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     return out
 
 
-__all__ = ["short_convolution"]
+# fmt: off
+@triton.jit
+def _step_context(i, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs, history_slots_ptr,
+                  history_held_ptr, HISTORY: tl.constexpr, TOKENS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Rows i [BLOCK_T] of a step's context over a tile's channels (x_rows, ring_rows: [1, BLOCK_C] pointers to
+    the batch row's channels): for i < HISTORY the ring's input at history_slots[i] times history_held[i] (the
+    cache's `StepSlots`), else the step's input i - HISTORY times its token mask (padding never enters a
+    convolution)."""
+    from_ring = i < HISTORY
+    from_step = (i >= HISTORY) & (i < HISTORY + TOKENS)
+    slot = tl.load(history_slots_ptr + i, mask=from_ring, other=0)
+    held = tl.load(history_held_ptr + i, mask=from_ring, other=0).to(tl.float32)
+    ring = tl.load(ring_rows + slot[:, None] * stride_rs, mask=from_ring[:, None] & chan_ok, other=0.0)
+    t = i - HISTORY
+    x = tl.load(x_rows + t[:, None] * stride_xt, mask=from_step[:, None] & chan_ok, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        x = x * tl.load(mask_row + t * stride_mt, mask=from_step, other=0).to(tl.float32)[:, None]
+    return tl.where(from_ring[:, None], ring * held[:, None], x)
+
+
+@triton.jit
+def _step_convolution_kernel(
+    x_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr, weight_ptr, out_ptr, channels,
+    divisor, stride_xb, stride_xt, stride_xc, stride_mb, stride_mt, stride_rb, stride_rc, stride_rs, stride_wc,
+    stride_wk, TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """grid (cdiv(C, BLOCK_C), batch): out[b, t, c] = (sum_j context[t + j, c] weight[c, j] + x[b, t, c]) / divisor
+    for the step's TOKENS tokens (`_step_context` rows), the sum in the prompt kernel's order; then the step's
+    masked inputs go into the ring at write_slots, after every read of it (the step's history slots are others)."""
+    b = tl.program_id(1).to(tl.int64)
+    chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tokens = tl.arange(0, BLOCK_T)
+    chan_ok, token_ok = (chans < channels)[None, :], tokens < TOKENS
+    ok = token_ok[:, None] & chan_ok
+    x_rows = x_ptr + b * stride_xb + chans[None, :] * stride_xc
+    ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
+    mask_row = mask_ptr + b * stride_mb
+    taps = weight_ptr + chans[None, :] * stride_wc
+    acc = _step_context(tokens, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
+                        history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
+    acc = acc * tl.load(taps, mask=chan_ok, other=0.0)
+    for tap in tl.static_range(1, KERNEL_SIZE):
+        rows = _step_context(tokens + tap, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
+                             history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
+        acc = acc + rows * tl.load(taps + tap * stride_wk, mask=chan_ok, other=0.0)
+    x = tl.load(x_rows + tokens[:, None] * stride_xt, mask=ok, other=0.0)
+    out = tl.div_rn(acc + x.to(tl.float32), divisor)
+    tl.store(out_ptr + (b * TOKENS + tokens[:, None]) * channels + chans[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=ok)
+    new_inputs = _step_context(tokens + KERNEL_SIZE - 1, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows,
+                               stride_rs, history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
+    write = tl.load(write_slots_ptr + tokens, mask=token_ok, other=0)
+    tl.store(ring_rows + write[:, None] * stride_rs, new_inputs, mask=ok)
+
+
+# fmt: on
+@torch.library.custom_op("inkling2::step_convolution", mutates_args=("ring",))
+def step_convolution(
+    x: torch.Tensor,
+    token_mask: Optional[torch.Tensor],  # noqa: UP045  (the custom op's schema is inferred from this annotation)
+    ring: torch.Tensor,
+    history_slots: torch.Tensor,
+    history_held: torch.Tensor,
+    write_slots: torch.Tensor,
+    weight: torch.Tensor,
+    divisor: float,
+) -> torch.Tensor:
+    """A decode step's `(conv(context) + x) / divisor` in one launch, reading its context from the static cache's
+    ring and writing the step's inputs into it (what `Inkling2StaticLayerCache.convolution_context` and the
+    module's `F.conv1d` do in several). x [batch, T, C]; token_mask [batch, T] or None; ring [batch, C, slots] fp32;
+    history_slots / history_held [k - 1] and write_slots [T], the step's `StepSlots`; weight [C, k] fp32. Returns a
+    contiguous [batch, T, C] in x's dtype. A custom op: the compiled decode steps call it as it is."""
+    batch, length, channels = x.shape
+    kernel_size = weight.shape[-1]
+    if ring.shape[:2] != (batch, channels) or weight.shape[0] != channels or write_slots.numel() != length:
+        raise ValueError(
+            f"Expected ring [batch, C, slots], weight [C, k] and T write slots for x {tuple(x.shape)}, got "
+            f"{tuple(ring.shape)}, {tuple(weight.shape)} and {write_slots.numel()}."
+        )
+    if history_slots.numel() != kernel_size - 1 or history_held.numel() != kernel_size - 1:
+        raise ValueError(f"Expected {kernel_size - 1} history slots for a {kernel_size}-tap convolution.")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    mask, mask_strides = (x, (0, 0)) if token_mask is None else (token_mask, token_mask.stride())
+    _step_convolution_kernel[(triton.cdiv(channels, BLOCK_C), batch)](
+        x, mask, ring, history_slots, history_held, write_slots, weight, out, channels, divisor, *x.stride(),
+        *mask_strides, *ring.stride(), *weight.stride(), TOKENS=length, KERNEL_SIZE=kernel_size,
+        HAS_MASK=token_mask is not None, BLOCK_T=triton.next_power_of_2(length), BLOCK_C=BLOCK_C, num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+@step_convolution.register_fake
+def _(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+__all__ = ["short_convolution", "step_convolution"]

@@ -2,8 +2,8 @@
 
 The reference (`Inkling2TopKRouter`) runs an fp32 GEMV through cuBLAS, then `torch.topk`'s radix select and three
 elementwise passes: five kernels for a read of a 7 MB weight, bound by their launches. Here the first kernel spreads
-the GEMV over (expert blocks x K slices) programs, enough to stream the weight at bandwidth, and writes fp32 partial
-sums; the second, one program per row, adds the slices in a fixed order (so the logits are deterministic, unlike
+the GEMV over (expert blocks x K slices) programs, each loading its whole weight tile at once, and writes fp32
+partial sums; the second, one program per row, adds the slices in a fixed order (so the logits are deterministic, unlike
 atomics), then scores, picks the top k by repeated arg-max and normalizes. fp32 throughout, as the reference: the
 logits differ from cuBLAS's by the order of the sum only.
 
@@ -16,32 +16,28 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # rows of one program; at most this many rows take the kernels
-BLOCK_E = 16  # experts of one program
-BLOCK_K = 64
-K_SLICES = 8  # 384 experts: 24 x 8 = 192 programs, about 37 KB of fp32 weight each
+MAX_ROWS = 16  # rows of a step; each program keeps its weight tile in registers and reuses it for every row
+BLOCK_E = 32  # experts of one program
+SLICE = 256  # inputs of one program: one [BLOCK_E, SLICE] fp32 tile (32 KB), loaded at once
 MAX_EXPERTS = 1024  # the top-k program holds a row of scores in registers
 
 
 # fmt: off
 @triton.jit
-def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, rows, E, K, slice_width, BLOCK_M: tl.constexpr,
-                           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """grid (cdiv(E, BLOCK_E), K_SLICES): partial[slice, :rows, experts of the block] = x[:, slice] @ w[experts,
-    slice].T in fp32 (x, w contiguous, any float dtype, upcast exactly)."""
+def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, rows, E, K, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                           SLICE: tl.constexpr):
+    """grid (cdiv(E, BLOCK_E), cdiv(K, SLICE)): partial[slice, :rows, experts of the block] = x[:, slice] @ w[experts,
+    slice].T in fp32 (x, w contiguous, any float dtype, upcast exactly). A program's whole tile is one load, so that
+    the GPU has the weight's bytes in flight at once rather than one small slice per program at a time."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    ms, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
-    expert_ok, row_ok = experts < E, ms < rows
-    begin = tl.program_id(1) * slice_width
-    end = tl.minimum(begin + slice_width, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
-    for start in range(begin, end, BLOCK_K):
-        k_ok = (start + ks < end)[None, :]
-        w = tl.load(w_ptr + experts[:, None] * K + start + ks[None, :], mask=expert_ok[:, None] & k_ok, other=0.0)
-        x = tl.load(x_ptr + ms[:, None] * K + start + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
-        acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    destination = partial_ptr + (tl.program_id(1) * rows + ms[:, None]) * E + experts[None, :]
-    tl.store(destination, acc, mask=row_ok[:, None] & expert_ok[None, :])
+    ks = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+    k_ok = ks < K
+    tile_ok = (experts < E)[:, None] & k_ok[None, :]
+    w = tl.load(w_ptr + experts[:, None] * K + ks[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    destination = partial_ptr + tl.program_id(1) * rows * E + experts
+    for row in tl.static_range(ROWS):  # masked rather than skipped: the loads of every row can issue at once
+        x = tl.load(x_ptr + row * K + ks, mask=k_ok & (row < rows), other=0.0).to(tl.float32)
+        tl.store(destination + row * E, tl.sum(w * x[None, :], 1), mask=(experts < E) & (row < rows))
 
 
 @triton.jit
@@ -87,26 +83,26 @@ def top_k_routing(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [rows, E] fp32, weights [rows, top_k] fp32, chosen experts [rows, top_k] int64) of x [rows, K] under
-    router weight [E, K] and score bias [E], all contiguous; at most BLOCK_M rows and MAX_EXPERTS experts. A custom
+    router weight [E, K] and score bias [E], all contiguous; at most MAX_ROWS rows and MAX_EXPERTS experts. A custom
     op: the compiled decode steps call it as it is."""
     rows, width = x.shape
     experts = weight.shape[0]
-    if not 0 < rows <= BLOCK_M or not 0 < top_k <= experts <= MAX_EXPERTS:
+    if not 0 < rows <= MAX_ROWS or not 0 < top_k <= experts <= MAX_EXPERTS:
         raise ValueError(
-            f"top_k_routing takes 1 to {BLOCK_M} rows and 1 <= top_k <= experts <= {MAX_EXPERTS}, got {rows} rows, "
+            f"top_k_routing takes 1 to {MAX_ROWS} rows and 1 <= top_k <= experts <= {MAX_EXPERTS}, got {rows} rows, "
             f"top_k {top_k}, {experts} experts."
         )
     logits, weights, chosen = _new_outputs(x, weight, top_k)
-    slice_width = triton.cdiv(triton.cdiv(width, K_SLICES), BLOCK_K) * BLOCK_K
-    slices = triton.cdiv(width, slice_width)
+    slices = triton.cdiv(width, SLICE)
     partial = x.new_empty(slices, rows, experts, dtype=torch.float32)
     _partial_logits_kernel[(triton.cdiv(experts, BLOCK_E), slices)](
-        x, weight, partial, rows, experts, width, slice_width, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, num_warps=4,
+        x, weight, partial, rows, experts, width, ROWS=triton.next_power_of_2(rows), BLOCK_E=BLOCK_E, SLICE=SLICE,
+        num_warps=4,
     )  # fmt: skip
+    # one warp: the top-k's reductions stay in shuffles
     _top_k_kernel[(rows,)](
         partial, bias, logits, weights, chosen, rows, experts, route_scale, SLICES=slices, TOP_K=top_k,
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_ALL=triton.next_power_of_2(experts), num_warps=4,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_ALL=triton.next_power_of_2(experts), num_warps=1,
     )  # fmt: skip
     return logits, weights, chosen
 
@@ -116,4 +112,4 @@ def _(x, weight, bias, top_k, route_scale):
     return _new_outputs(x, weight, top_k)
 
 
-__all__ = ["BLOCK_M", "MAX_EXPERTS", "top_k_routing"]
+__all__ = ["MAX_EXPERTS", "MAX_ROWS", "top_k_routing"]

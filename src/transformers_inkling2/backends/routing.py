@@ -14,8 +14,8 @@ import torch
 
 from ..modeling.tensors import differentiable
 
-# tokens of a step (batch x step length); the kernels take up to their BLOCK_M
-MAX_ROWS = 64
+# tokens of a step (batch x step length), as `router_kernel` takes them; past that cuBLAS's GEMM wins
+MAX_ROWS = 16
 MAX_EXPERTS = 1024
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -171,9 +171,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         """The `kernel_size - 1` inputs before `new_inputs` ([batch, C, T]), read from the ring by position (zeros
         where it does not hold them: before the sequence start), joined with them; the new inputs are written into
         the ring (their positions already are, by `begin_step`)."""
-        if self.conv_inputs[conv_idx] is None:
-            self.conv_inputs[conv_idx] = new_inputs.new_zeros(*new_inputs.shape[:-1], self.conv_capacity)
-        ring, written = self.conv_inputs[conv_idx], step.conv_write.numel()
+        ring, written = self.convolution_ring(conv_idx, new_inputs), step.conv_write.numel()
         new_inputs_kept = new_inputs.narrow(-1, new_inputs.shape[-1] - written, written)
         if step.reads_ring:  # the same values as below, in three launches
             ring.index_copy_(-1, step.conv_write, new_inputs_kept)
@@ -181,6 +179,13 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         context = join_convolution_context(ring.index_select(-1, step.history_slots) * step.history_held, new_inputs)
         ring.index_copy_(-1, step.conv_write, new_inputs_kept)
         return context
+
+    def convolution_ring(self, conv_idx: int, new_inputs: torch.Tensor) -> torch.Tensor:
+        """The ring [batch, C, conv_capacity] of a convolution's inputs, made (zeros, as `new_inputs` [batch, C, T]
+        in dtype and device) at its first use."""
+        if self.conv_inputs[conv_idx] is None:
+            self.conv_inputs[conv_idx] = new_inputs.new_zeros(*new_inputs.shape[:-1], self.conv_capacity)
+        return self.conv_inputs[conv_idx]
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -289,12 +294,27 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
     def step_is_for(self, query_positions: torch.Tensor) -> bool:
         return self.step is not None and self.step.query_positions is query_positions
 
-    def convolution_context(self, layer_idx, conv_idx, new_inputs, kernel_size, query_positions):
+    def convolution_step(self, kernel_size: int, query_positions: torch.Tensor) -> StepSlots:
+        """The slots of the step at `query_positions` (made here when the model did not begin it)."""
         if kernel_size != self.conv_kernel_size:
             raise ValueError(f"This cache holds inputs of {self.conv_kernel_size}-tap convolutions, not {kernel_size}.")
         if not self.step_is_for(query_positions):
             self.begin_step(query_positions)
-        return self.layers[layer_idx].convolution_context(conv_idx, new_inputs, self.step)
+        return self.step
+
+    def convolution_context(self, layer_idx, conv_idx, new_inputs, kernel_size, query_positions):
+        step = self.convolution_step(kernel_size, query_positions)
+        return self.layers[layer_idx].convolution_context(conv_idx, new_inputs, step)
+
+    def step_convolution_ring(self, layer_idx, conv_idx, new_inputs, kernel_size, query_positions):
+        """What a fused step convolution reads and writes instead of calling `convolution_context`: (the ring
+        [batch, C, conv_capacity] of this convolution's fp32 inputs, the step's `StepSlots`) for a step that reads
+        its whole context from the ring (a decode or verification step), else None. new_inputs [batch, C, T] give
+        the ring's shape, dtype and device at its first use; the kernel writes them into the ring itself."""
+        step = self.convolution_step(kernel_size, query_positions)
+        if not step.reads_ring:
+            return None
+        return self.layers[layer_idx].convolution_ring(conv_idx, new_inputs), step
 
     def advance(self, new_tokens: int) -> None:
         """Counts tokens that a replayed graph wrote (its Python bookkeeping does not run)."""

@@ -131,16 +131,22 @@ class Inkling2ShortConvolution(nn.Module):
         self.conv1d = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
 
     def forward(self, x, token_mask=None, cache=None, query_positions=None):
+        weight = local_tensor(self.conv1d.weight).float()  # this rank's channels under tensor parallelism
+        divisor = math.sqrt(self.kernel_size + 1)
+        step = KERNELS.optional("step_convolution") if cache is not None else None
+        at = (cache, self.layer_idx, self.conv_idx, query_positions)
+        output = None if step is None else step(x, token_mask, *at, weight, divisor)
+        if output is not None:
+            return output
         x32 = x.float()
         inputs = zero_padding(x32, token_mask).transpose(1, 2)
         context = convolution_context(inputs, self.kernel_size, cache, self.layer_idx, self.conv_idx, query_positions)
-        weight = local_tensor(self.conv1d.weight).float()  # this rank's channels under tensor parallelism
         fused = KERNELS.optional("prompt_convolution")
-        output = None if fused is None else fused(context, x, weight, math.sqrt(self.kernel_size + 1))
+        output = None if fused is None else fused(context, x, weight, divisor)
         if output is not None:
             return output
         convolved = depthwise_convolution(context, weight).transpose(1, 2)
-        return ((convolved + x32) / math.sqrt(self.kernel_size + 1)).to(x.dtype)
+        return ((convolved + x32) / divisor).to(x.dtype)
 
 
 class Inkling2DynamicShortConvolution(nn.Module):

@@ -423,7 +423,8 @@ def test_gpu_decode_kernel_equals_the_pytorch_path(queries):
     """The fused kernel that `inkling2_decode` runs on CUDA against its PyTorch path (what it runs on CPU tensors,
     here on CPU copies): fp32 (same inputs, tight: IEEE MMAs) and bf16 at full size (both against the fp32
     reference: the kernel's error at most 1.5x the PyTorch path's own bf16 error plus 1e-3), keys in order and in a
-    ring, with padding and an all-sink row."""
+    ring, with padding and an all-sink row; and one kv head over 20,000 keys, whose 264 splits the merge reads in
+    several blocks."""
 
     def pytorch_path(inputs, window):
         on_cpu = {name: t.cpu() if t is not None else None for name, t in inputs.items()}
@@ -434,9 +435,11 @@ def test_gpu_decode_kernel_equals_the_pytorch_path(queries):
     cases = [
         (dict(batch=3, heads=12, kv_heads=2, keys=300, head_dim=32, extent=24, padding=(0, 10, 300)), torch.float32),
         (dict(batch=2, heads=48, kv_heads=8, keys=5000, head_dim=128, extent=1024, padding=(0, 40)), torch.bfloat16),
+        (dict(batch=1, heads=4, kv_heads=1, keys=20000, head_dim=64, extent=64, padding=(0,)), torch.float32),
     ]
     for options, dtype in cases:
-        reference = random_inputs(seed=queries, queries=queries, first_query=6000, device="cuda", **options)
+        first_query = max(6000, options["keys"])
+        reference = random_inputs(seed=queries, queries=queries, first_query=first_query, device="cuda", **options)
         inputs = {name: t.to(dtype) if t is not None and t.is_floating_point() else t for name, t in reference.items()}
         for window in (1024, None):
             expected = pytorch_path(reference, window)

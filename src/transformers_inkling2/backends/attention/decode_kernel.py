@@ -37,6 +37,7 @@ from .tiles import (
 BLOCK_KEYS = 64
 MAX_ROWS = 64  # folded rows of one tile: its fp32 output accumulator stays in registers
 MIN_PROGRAMS = 264  # two per SM of an H100/H200: below this, keys are split further
+MERGE_SPLIT_BLOCK = 64  # splits the merge reads at once: [64, head dim] fp32 partial outputs per program
 
 
 # kernel signatures and pointer arithmetic read better packed
@@ -119,26 +120,34 @@ def _decode_partial_kernel(
 def _decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, stride_sb, stride_sh, stride_sq, stride_ob, stride_oq, stride_oh,
     num_splits, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
-    DIM: tl.constexpr,
+    DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
 ):
-    """grid (batch * kv_heads,): the splits and the sink merged by log-sum-exp, in a fixed order (deterministic)."""
-    pair = tl.program_id(0)
-    b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
-    dims = tl.arange(0, DIM)
+    """grid (batch * kv_heads, GROUPS * QUERIES): one folded row's splits and sink merged by log-sum-exp, its
+    splits read SPLIT_BLOCK at a time and summed in a fixed order (deterministic). A program per row, not per kv
+    head: at one token a kv head's 30-odd splits of [rows, DIM] read one after another by 8 programs took longer
+    than the attention itself."""
+    pair, row = tl.program_id(0), tl.program_id(1)
+    b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS
+    query, head = row % QUERIES, kv_head * GROUPS + row // QUERIES
+    dims, splits = tl.arange(0, DIM), tl.arange(0, SPLIT_BLOCK)
     sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + query * stride_sq).to(tl.float32) * LOG2E
     top = sink  # base 2, as the splits' maxima
-    for s in range(num_splits):
-        top = tl.maximum(top, tl.load(m_ptr + (pair * num_splits + s) * ROWS + rows))
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        parts = pair * num_splits + s0 + splits
+        maxima = tl.load(m_ptr + parts * ROWS + row, mask=s0 + splits < num_splits, other=float("-inf"))
+        top = tl.maximum(top, tl.max(maxima, 0))
     denominator = tl.exp2(sink - top)
-    numerator = tl.zeros((ROWS, DIM), dtype=tl.float32)
-    for s in range(num_splits):
-        part = pair * num_splits + s
-        weight = tl.exp2(tl.load(m_ptr + part * ROWS + rows) - top)  # 2^-inf = 0 for a split that saw nothing
-        denominator += weight * tl.load(l_ptr + part * ROWS + rows)
-        numerator += weight[:, None] * tl.load(acc_ptr + (part * ROWS + rows[:, None]) * DIM + dims[None, :])
-    out = numerator / denominator[:, None]
-    destination = out_ptr + b * stride_ob + query[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :]
-    tl.store(destination, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    numerator = tl.zeros((DIM,), dtype=tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        parts = pair * num_splits + s0 + splits
+        ok = s0 + splits < num_splits
+        # 2^-inf = 0 for a split that saw nothing, and for the block's padding
+        weight = tl.exp2(tl.load(m_ptr + parts * ROWS + row, mask=ok, other=float("-inf")) - top)
+        denominator += tl.sum(weight * tl.load(l_ptr + parts * ROWS + row, mask=ok, other=0.0), 0)
+        outputs = tl.load(acc_ptr + (parts[:, None] * ROWS + row) * DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        numerator += tl.sum(weight[:, None] * outputs, 0)
+    destination = out_ptr + b * stride_ob + query * stride_oq + head * stride_oh + dims
+    tl.store(destination, (numerator / denominator).to(out_ptr.dtype.element_ty))
 
 
 # fmt: on
@@ -219,9 +228,10 @@ def decode_attention(
         BN=BLOCK_KEYS, PAGE=0 if block_table is None else page_size, HAS_PADDING=key_padding is not None,
         HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32, num_warps=4, **constants,
     )  # fmt: skip
-    _decode_merge_kernel[(pairs,)](
+    _decode_merge_kernel[(pairs, groups * queries)](
         m, l, acc, sinks, output, sinks.stride(0), sinks.stride(1), sinks.stride(2),
-        output.stride(0), output.stride(1), output.stride(2), splits, num_warps=4, **constants,
+        output.stride(0), output.stride(1), output.stride(2), splits, SPLIT_BLOCK=MERGE_SPLIT_BLOCK, num_warps=4,
+        **constants,
     )  # fmt: skip
     return output
 

@@ -64,16 +64,20 @@ for seed, (rows, width, experts, top_k) in enumerate([(1, 200, 40, 8), (5, 96, 3
         expected = router(x)
         routed = top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, router.route_scale)
     results[f"{rows}x{width} {dtype} -> top-{top_k} of {experts}"] = agrees(routed, expected)
+# all scores tied (zero weights and bias): the lowest indices, each weighted route_scale / k
+x, router = router_case(2, 64, 40, 3, torch.float32, 9)
+_, weights, chosen = top_k_routing(x, torch.zeros_like(router.weight), torch.zeros(40), 3, 2.5)
+results["ties"] = [chosen.tolist() == [[0, 1, 2]] * 2, torch.allclose(weights, torch.full((2, 3), 2.5 / 3))]
 print(json.dumps(results))
 """
 
 
 @needs_triton
 def test_kernels_under_the_triton_interpreter_equal_the_reference():
-    """`[shapes and dtypes, logits, experts, weights]` all within bound, per case."""
+    """`[shapes and dtypes, logits, experts, weights]` all within bound, per case; ties go to the lower index."""
     here = Path(__file__).parent
     results = run_under_triton_interpreter(_INTERPRETER_SCRIPT, str(here.parent), str(here))
-    assert len(results) == 4 and all(all(checks) for checks in results.values()), results
+    assert len(results) == 5 and all(all(checks) for checks in results.values()), results
 
 
 def test_cpu_tensors_keep_the_reference_path():

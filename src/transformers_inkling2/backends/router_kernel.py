@@ -52,20 +52,29 @@ def _top_k_kernel(partial_ptr, bias_ptr, logits_ptr, weights_ptr, chosen_ptr, ro
     for part in tl.static_range(SLICES):
         logits += tl.load(partial_ptr + (part * rows + row) * E + experts, mask=ok, other=0.0)
     tl.store(logits_ptr + row * E + experts, logits, mask=ok)
-    scores = 1.0 / (1.0 + tl.exp(-logits))
     bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)
-    candidates = tl.where(ok, scores + bias, float("-inf"))
+    candidates = tl.where(ok, 1.0 / (1.0 + tl.exp(-logits)) + bias, float("-inf"))
+    # one max per pick, over 64-bit keys: the candidate's bits made order-preserving as integers above, the index's
+    # complement below (so that ties go to the lower index)
+    bits = candidates.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys = (ordered.to(tl.int64) << 32) | (BLOCK_ALL - 1 - experts).to(tl.int64)
     picks = tl.arange(0, BLOCK_TOP_K)
+    pick_ok = picks < TOP_K
     chosen = tl.zeros((BLOCK_TOP_K,), dtype=tl.int64)
-    picked = tl.zeros((BLOCK_TOP_K,), dtype=tl.float32)
     for pick in tl.static_range(TOP_K):
-        best = tl.argmax(candidates, 0, tie_break_left=True)
-        chosen = tl.where(picks == pick, best.to(tl.int64), chosen)
-        picked = tl.where(picks == pick, tl.sum(tl.where(experts == best, scores, 0.0), 0), picked)
-        candidates = tl.where(experts == best, float("-inf"), candidates)
+        best = tl.max(keys, 0)
+        chosen = tl.where(picks == pick, BLOCK_ALL - 1 - (best & 0xFFFFFFFF), chosen)
+        keys = tl.where(keys == best, -(2**63), keys)
+    # the chosen experts' logits summed again from the same partial sums in the same order: the same values, gathered
+    # by a load instead of a reduction per pick
+    chosen_logits = tl.zeros((BLOCK_TOP_K,), dtype=tl.float32)
+    for part in tl.static_range(SLICES):
+        chosen_logits += tl.load(partial_ptr + (part * rows + row) * E + chosen, mask=pick_ok, other=0.0)
+    picked = tl.where(pick_ok, 1.0 / (1.0 + tl.exp(-chosen_logits)), 0.0)
     weights = picked / (tl.sum(picked, 0) + 1e-20) * route_scale
-    tl.store(chosen_ptr + row * TOP_K + picks, chosen, mask=picks < TOP_K)
-    tl.store(weights_ptr + row * TOP_K + picks, weights, mask=picks < TOP_K)
+    tl.store(chosen_ptr + row * TOP_K + picks, chosen, mask=pick_ok)
+    tl.store(weights_ptr + row * TOP_K + picks, weights, mask=pick_ok)
 
 
 # fmt: on

@@ -224,6 +224,31 @@ def convolution_calls() -> None:
         fused_prompt_convolution(context, x, torch.empty(channels, 1, kernel_size), math.sqrt(kernel_size + 1))
 
 
+def step_convolution_calls() -> None:
+    """A decode step's short convolution over the static cache's ring: one token with and without a padding mask, a
+    DSpark verification step of 8 (`convolution_kernel.step_convolution`, as `fused_step_convolution` calls it)."""
+    from transformers_inkling2.backends.convolution_kernel import step_convolution
+
+    kernel_size, channels = MODEL.conv_kernel_size, MODEL.hidden_size
+    history = kernel_size - 1
+    for tokens, mask in ((1, None), (1, torch.ones(1, 1, dtype=torch.int64)), (8, torch.ones(1, 8, dtype=torch.int64))):
+        ring = torch.empty(1, channels, history + 8)
+        slots = (torch.empty(history, dtype=torch.int64), torch.empty(history, dtype=torch.bool))
+        x = torch.empty(1, tokens, channels, dtype=torch.bfloat16)
+        weight = torch.empty(channels, kernel_size)
+        step_convolution(x, mask, ring, *slots, torch.empty(tokens, dtype=torch.int64), weight, kernel_size**0.5)
+
+
+def router_calls() -> None:
+    """A decode step's router (`router_kernel.top_k_routing`), one and 16 rows."""
+    from transformers_inkling2.backends.router_kernel import top_k_routing
+
+    experts, hidden = MODEL.n_routed_experts, MODEL.hidden_size
+    for rows in (1, 16):
+        x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        top_k_routing(x, torch.empty(experts, hidden), torch.empty(experts), MODEL.num_experts_per_tok, 2.5)
+
+
 def projection_calls() -> None:
     """A decode step's six input projections of a sliding layer, one and 16 rows (the kernel's row range)."""
     from transformers_inkling2.backends.projection_kernel import grouped_projections
@@ -247,7 +272,9 @@ def recorded(tmp_path_factory) -> dict[tuple[int, int], tuple[list[Launch], set[
             routed_experts_calls(weights)
             attention_calls()
             convolution_calls()
+            step_convolution_calls()
             projection_calls()
+            router_calls()
         result[capability] = launches, {call.args[5] for call in reference.call_args_list}
     return result
 

@@ -109,6 +109,12 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def timing_table(results: list[dict]) -> str:
+    """Rows of {shape, rows, path, us, share (of the copy bandwidth)} as a markdown table."""
+    cells = [[r["shape"], r["rows"], r["path"], f"{r['us']:.1f}", f"{100 * r['share']:.0f}"] for r in results]
+    return markdown_table(["shape", "rows", "path", "us", "% of copy bandwidth"], cells)
+
+
 def environment() -> str:
     props = torch.cuda.get_device_properties(0)
     import transformers

@@ -11,8 +11,10 @@ tile of a grid (the input projections of both shapes at 1 and 8 rows) and uses t
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
     python3 benchmarks/projections.py [--sweep] [--out DIR]
+    python3 benchmarks/projections.py --o-proj [--out DIR]
 
-Writes `projections.md` (+ `.json`) under --out (default $OUT, else ./).
+Writes `projections.md` (+ `.json`) under --out (default $OUT, else ./); with `--o-proj`, instead, the output
+projection (one weight) through cuBLAS and through the grouped GEMV at several tiles, `o_proj.md` (+ `.json`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import DEVICE, cuda_ms, environment, markdown_table, write_report  # noqa: E402
+from attention import DEVICE, environment, timing_table, write_report  # noqa: E402
 from decode import copy_bandwidth_gb_s, graph_ms  # noqa: E402
 
 from transformers_inkling2.backends import projection_kernel  # noqa: E402
@@ -75,8 +77,8 @@ def compare(bandwidth: float) -> list[dict]:
             for name, fn in (("cuBLAS (reference)", reference), ("ours", ours)):
                 ms = graph_ms(fn, calls=CALLS_PER_GRAPH)
                 read = weight_bytes(linears)
-                rows_out.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, gb_s=read / ms / 1e6,
-                                     share=read / ms / 1e6 / bandwidth))  # fmt: skip
+                share = read / ms / 1e6 / bandwidth
+                rows_out.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, share=share))
                 print(rows_out[-1], flush=True)
     return rows_out
 
@@ -102,24 +104,53 @@ def sweep() -> tuple[tuple, float]:
     return ranked[0]
 
 
+O_PROJ_TILES = ((16, 128, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3), (32, 256, 4, 3),
+                (32, 256, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3))
+
+
+def o_proj(bandwidth: float) -> list[dict]:
+    """The output projection ([4,608, heads x 128]) as cuBLAS runs it and as the grouped GEMV would, one weight,
+    at each of O_PROJ_TILES: whether it should take the kernel too (so far cuBLAS's split-K GEMV wins)."""
+    results, generator, tile = [], torch.Generator(device=DEVICE).manual_seed(2), projection_kernel.TILE
+    for shape, (heads, _) in SHAPES.items():
+        width = heads * HEAD_DIM
+        weight = (torch.randn(HIDDEN, width, device=DEVICE, generator=generator) / width**0.5).to(torch.bfloat16)
+        read = weight.numel() * weight.element_size()
+        for rows in SWEEP_ROWS:
+            x = torch.randn(rows, width, device=DEVICE, generator=generator).to(torch.bfloat16)
+            variants = [("cuBLAS", tile, lambda: torch.nn.functional.linear(x, weight))]
+            ours = lambda: projection_kernel.grouped_projections([x], [weight])  # noqa: E731
+            variants += [(str(t), t, ours) for t in O_PROJ_TILES]
+            for name, variant_tile, fn in variants:
+                projection_kernel.TILE = variant_tile
+                ms = graph_ms(fn, calls=CALLS_PER_GRAPH)
+                share = read / ms / 1e6 / bandwidth
+                results.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, share=share))
+                print(results[-1], flush=True)
+    projection_kernel.TILE = tile
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time a grid of tiles first and use the fastest")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--o-proj", action="store_true", help="instead: the output projection, cuBLAS against "
+                        "the grouped GEMV at several tiles")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gb_s()
+    if args.o_proj:
+        results = o_proj(bandwidth)
+        text = f"# Output projection of a decode step\n\n{environment()}; copy bandwidth {bandwidth:.0f} GB/s\n\n"
+        write_report(args.out, "o_proj", text + timing_table(results), dict(rows=results))
+        return
     best = sweep() if args.sweep else None
     if best is not None:
         projection_kernel.TILE = best[0]
     rows = compare(bandwidth)
-    table = markdown_table(
-        ["shape", "rows", "path", "us", "GB/s", "% of copy"],
-        [[r["shape"], r["rows"], r["path"], f"{r['us']:.1f}", f"{r['gb_s']:.0f}", f"{100 * r['share']:.0f}"]
-         for r in rows],
-    )  # fmt: skip
     text = (f"# Attention projections of a decode step\n\n{environment()}; copy bandwidth {bandwidth:.0f} GB/s; "
             f"tile (BLOCK_N, BLOCK_K, warps, stages) {projection_kernel.TILE}"
-            f"\n\n{table}")  # fmt: skip
+            f"\n\n{timing_table(rows)}")  # fmt: skip
     write_report(args.out, "projections", text, dict(rows=rows, sweep=best, tile=projection_kernel.TILE))
 
 

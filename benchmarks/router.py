@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import DEVICE, environment, markdown_table, write_report  # noqa: E402
+from attention import DEVICE, environment, timing_table, write_report  # noqa: E402
 from decode import copy_bandwidth_gb_s, graph_ms  # noqa: E402
 
 from transformers_inkling2 import Inkling2TextConfig  # noqa: E402
@@ -63,12 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gb_s()
     results = compare(bandwidth)
-    table = markdown_table(
-        ["shape", "rows", "path", "us", "% of copy"],
-        [[r["shape"], r["rows"], r["path"], f"{r['us']:.1f}", f"{100 * r['share']:.0f}"] for r in results],
-    )
-    text = f"# Router of a decode step\n\n{environment()}; copy bandwidth {bandwidth:.0f} GB/s\n\n{table}"
-    write_report(args.out, "router", text, dict(rows=results))
+    text = f"# Router of a decode step\n\n{environment()}; copy bandwidth {bandwidth:.0f} GB/s\n\n"
+    write_report(args.out, "router", text + timing_table(results), dict(rows=results))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """The short convolutions of a prefill, and of a decode step over the static cache, as one fused kernel each on CUDA.
 
 Registered as the model's `"prompt_convolution"` and `"step_convolution"` kernels (`modeling.interfaces.KERNELS`).
-The reference
-(`Inkling2ShortConvolution`) runs `F.conv1d` on the [batch, C, T + k - 1] context, then adds the
+The reference (`Inkling2ShortConvolution`) runs `F.conv1d` on the [batch, C, T + k - 1] context, then adds the
 residual, scales and casts: over a long prompt, several passes through fp32 activations, one of them a transposing
 copy. Written as a sum of k shifted products (`short_convolution_sum`, the readable form the tests hold the kernel
 to), the same computation is one Triton kernel (`convolution_kernel`) that reads the context where it lies

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask
+from inkling2_helpers import ORACLE_TEXT_CONFIG, build_pair, left_padded_batch, positions_from_mask, within
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformers_inkling2 import Inkling2Config, Inkling2StaticCache, Inkling2TextConfig
@@ -178,4 +178,4 @@ def test_attention_residual_steps_mix_as_prompts_do(num_queries):
     steps = [torch.stack(mix(blocks[:, t : t + MAX_STEP_TOKENS], partial[:, t : t + MAX_STEP_TOKENS]))
              for t in range(0, 20, MAX_STEP_TOKENS)]  # fmt: skip
     assert prompt.shape == (num_queries, 2, 20, config.hidden_size)
-    assert ((torch.cat(steps, dim=2) - prompt).abs() / prompt.abs().clamp(min=1)).max() <= 1e-6
+    assert within(torch.cat(steps, dim=2), prompt, 1e-6)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..modeling.tensors import differentiable
+from ..modeling.tensors import differentiable, plain_contiguous
 
 # batch x tokens of a step; at 64 rows cuBLAS was faster (docs/benchmarks.md), and prompts are GEMMs, its business
 MAX_ROWS = 16
@@ -30,9 +30,9 @@ def plain_weight(module: nn.Module, width: int, dtype: torch.dtype) -> torch.Ten
     if type(module) is not nn.Linear or module.bias is not None or module._forward_hooks or module._forward_pre_hooks:
         return None
     weight = module.weight
-    if type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype != dtype or weight.shape[1] != width:
+    if not plain_contiguous(weight) or weight.dtype != dtype or weight.shape[1] != width:
         return None
-    return weight if weight.is_contiguous() else None
+    return weight
 
 
 def step_rows(inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:

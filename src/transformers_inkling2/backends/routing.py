@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling.tensors import differentiable
+from ..modeling.tensors import differentiable, plain_contiguous
 
 # tokens of a step (batch x step length), as `router_kernel` takes them; past that cuBLAS's GEMM wins
 MAX_ROWS = 16
 MAX_EXPERTS = 1024
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def ordinary(tensor: torch.Tensor) -> bool:
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
 
 
 def top_k_routing(
@@ -32,7 +28,9 @@ def top_k_routing(
     rows, experts = x.shape[0], weight.shape[0]
     if not x.is_cuda or not 0 < rows <= MAX_ROWS or experts > MAX_EXPERTS or differentiable(x, weight, bias):
         return None
-    if not (ordinary(weight) and ordinary(bias)) or x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
+    if not (plain_contiguous(weight) and plain_contiguous(bias)):
+        return None
+    if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         return None
     from .router_kernel import top_k_routing as routing_kernel  # Triton, imported where the kernel runs
 

@@ -1,5 +1,6 @@
-"""Three questions the model asks of its tensors: which block of a split tensor this rank holds, whether gradients
-flow (the fast paths have no backward), and whether an fp32 operation needs it converted first."""
+"""Four questions the model asks of its tensors: which block of a split tensor this rank holds, whether gradients
+flow (the fast paths have no backward), whether a kernel may read it as it lies, and whether an fp32 operation needs
+it converted first."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def differentiable(*tensors: torch.Tensor) -> bool:
     """Whether gradients flow through these inputs (our Triton kernels have no backward)."""
     return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
+def plain_contiguous(tensor: torch.Tensor) -> bool:
+    """Whether a kernel may read the tensor as one contiguous buffer: an ordinary tensor or parameter (not a parallel
+    plan's DTensor, nor another subclass), contiguous."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
 
 
 # dtypes that type promotion upcasts exactly, inside the kernel, when the other operand is fp32

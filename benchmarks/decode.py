@@ -347,8 +347,9 @@ def per_layer_benchmark(args) -> list[dict]:
             rows.append(dict(variant=variant, batch=batch, **per_layer, roofline_ms=roofline_ms,
                              roofline_share=roofline_ms / per_layer["ms"], step_ms_2=a["ms"], step_ms_6=b["ms"],
                              bandwidth_gb_s=bandwidth))  # fmt: skip
-        if isinstance(steps[small, 1], dict) and isinstance(steps[large, 1], dict):  # one layer's kernels, batch 1
-            few, many = steps[small, 1]["by_name"], steps[large, 1]["by_name"]
+        first = args.batches[0]
+        if isinstance(steps[small, first], dict) and isinstance(steps[large, first], dict):  # one layer's kernels
+            few, many = steps[small, first]["by_name"], steps[large, first]["by_name"]
             kernels = {name: [(many.get(name, (0, 0))[i] - few.get(name, (0, 0))[i]) / (large - small)
                               for i in (0, 1)] for name in {*few, *many}}  # fmt: skip
             top = sorted(kernels.items(), key=lambda item: -item[1][1])
@@ -367,12 +368,15 @@ def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) ->
           fmt(r.get("roofline_ms"), ".3f"),
           fmt(None if "error" in r else 100 * r["roofline_share"], ".0f")] for r in rows],
     )  # fmt: skip
+    batches = " ".join(map(str, args.batches))
     text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "
-            f"--per-layer {' '.join(args.per_layer)} --context {args.context}`; copy bandwidth {bandwidth:.0f} GB/s\n",
+            f"--per-layer {' '.join(args.per_layer)} --context {args.context} --batches {batches}`; "
+            f"copy bandwidth {bandwidth:.0f} GB/s\n",
             "Per layer: the slope between a 2- and a 6-layer slice (step at 6 layers minus step at 2, over 4), "
             f"{args.context} tokens of context per row, static cache, `torch.compile` inside CUDA graphs.\n", table]
     for variant, kernels in busiest.items():
-        text += [f"\nOne `{variant}` layer's kernels at batch 1, by GPU time (the same slope; all in the JSON):\n",
+        text += [f"\nOne `{variant}` layer's kernels at batch {args.batches[0]}, by GPU time (the same slope; all in "
+                 "the JSON):\n",
                  markdown_table(["kernel", "launches", "us"], [list(k) for k in kernels[:16]])]
     return "\n".join(text)
 
@@ -394,6 +398,7 @@ def main():
                         help="leave out inkling2_flex_decode (shorter runs)")
     parser.add_argument("--per-layer", nargs="+", choices=PER_LAYER_VARIANTS,
                         help="part 3 only: one layer's cost per variant (the context defaults to 2048 here)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="rows per step (default 1 8 64)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")
@@ -401,7 +406,6 @@ def main():
         args.context = 2048 if args.per_layer else 4096
     if args.quick:
         args.context = min(args.context, 1024)
-    args.batches = [1, 8, 64]
     args.steps = 3 if args.quick else 8
     if args.per_layer:
         args.steps = max(args.steps, 20)

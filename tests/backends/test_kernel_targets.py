@@ -371,3 +371,27 @@ def test_only_ampere_runs_quantized_experts_through_the_reference(recorded):
     assert {"prefill_kernel._prefill_kernel", "decode_kernel._decode_partial_kernel"} <= names(ampere)
     for capability in (HOPPER, BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL):
         assert recorded[capability][1] == set(), capability
+
+
+DECODE_STEP_KERNELS = {
+    "projection_kernel._grouped_kernel",
+    "router_kernel._partial_logits_kernel",
+    "router_kernel._top_k_kernel",
+    "convolution_kernel._step_convolution_kernel",
+    "decode_kernel._decode_partial_kernel",
+    "decode_kernel._decode_merge_kernel",
+}
+
+
+def test_the_decode_steps_kernels_launch_dependent_from_hopper_on(compiled, launches):
+    """Programmatic dependent launch (`backends.dependent_launch`): from compute capability 9.0 the decode step's
+    kernels launch with it and their code waits for the previous kernel (`griddepcontrol.wait`); on Ampere they launch
+    plainly, and the waits are compiled out."""
+    for capability in (HOPPER, BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL, AMPERE):
+        step = [launch for launch in launches[capability] if launch.name in DECODE_STEP_KERNELS]
+        assert names(step) == DECODE_STEP_KERNELS, capability
+        dependent = capability >= HOPPER
+        assert {(launch.options["PDL"], launch.options["launch_pdl"]) for launch in step} == {(dependent, dependent)}
+    for arch in sorted(COMPILED_ON):
+        for name in DECODE_STEP_KERNELS:
+            assert all("griddepcontrol.wait" in kernel.asm["ptx"] for kernel in compiled(arch)[name]), (arch, name)

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .dependent_launch import dependent_launch
+from .dependent_launch_kernel import release_successor, wait_for_predecessor
+
 MAX_WEIGHTS = 6  # q, gate, relative, sink, k, v
 BLOCK_M = 16  # the step's rows, padded to what the tensor cores take; at 64 rows cuBLAS won, so the kernel stops here
 # (BLOCK_N, BLOCK_K, warps, stages): `benchmarks/projections.py --sweep` on an H200, 2026-12-04, the fastest of 36
@@ -28,7 +31,7 @@ TILE = (32, 128, 4, 3)
 # fmt: off
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, y_ptr, n, rows, K, block, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """y[:rows, block * BLOCK_N + j] = sum_k x[:rows, k] w[block * BLOCK_N + j, k] for the tile's j; x [rows, K] and
     w [n, K] contiguous, y [rows, n]."""
     outs = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,6 +46,7 @@ def _gemv_tile(x_ptr, w_ptr, y_ptr, n, rows, K, block, BLOCK_M: tl.constexpr, BL
         w = tl.load(w_ptrs + start, mask=out_ok[:, None] & k_ok, other=0.0)
         x = tl.load(x_ptr + x_offsets + start, mask=row_ok[:, None] & k_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w))
+    release_successor(PDL)
     destination = y_ptr + ms[:, None] * n + outs[None, :]
     tl.store(destination, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
 
@@ -50,9 +54,10 @@ def _gemv_tile(x_ptr, w_ptr, y_ptr, n, rows, K, block, BLOCK_M: tl.constexpr, BL
 @triton.jit
 def _grouped_kernel(x0, x1, x2, x3, x4, x5, w0, w1, w2, w3, w4, w5, y0, y1, y2, y3, y4, y5,
                     n0, n1, n2, n3, n4, n5, rows, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """grid (sum_i cdiv(n_i, BLOCK_N),): the programs of weight 0, then of weight 1, ...; y_i = x_i @ w_i.T.
     Unused slots have n_i = 0 and own no program."""
+    wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     e0 = tl.cdiv(n0, BLOCK_N)
     e1 = e0 + tl.cdiv(n1, BLOCK_N)
@@ -60,17 +65,17 @@ def _grouped_kernel(x0, x1, x2, x3, x4, x5, w0, w1, w2, w3, w4, w5, y0, y1, y2, 
     e3 = e2 + tl.cdiv(n3, BLOCK_N)
     e4 = e3 + tl.cdiv(n4, BLOCK_N)
     if pid < e0:
-        _gemv_tile(x0, w0, y0, n0, rows, K, pid, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _gemv_tile(x0, w0, y0, n0, rows, K, pid, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PDL)
     elif pid < e1:
-        _gemv_tile(x1, w1, y1, n1, rows, K, pid - e0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _gemv_tile(x1, w1, y1, n1, rows, K, pid - e0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PDL)
     elif pid < e2:
-        _gemv_tile(x2, w2, y2, n2, rows, K, pid - e1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _gemv_tile(x2, w2, y2, n2, rows, K, pid - e1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PDL)
     elif pid < e3:
-        _gemv_tile(x3, w3, y3, n3, rows, K, pid - e2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _gemv_tile(x3, w3, y3, n3, rows, K, pid - e2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PDL)
     elif pid < e4:
-        _gemv_tile(x4, w4, y4, n4, rows, K, pid - e3, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _gemv_tile(x4, w4, y4, n4, rows, K, pid - e3, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PDL)
     else:
-        _gemv_tile(x5, w5, y5, n5, rows, K, pid - e4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _gemv_tile(x5, w5, y5, n5, rows, K, pid - e4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PDL)
 
 
 # fmt: on
@@ -99,7 +104,8 @@ def grouped_projections(inputs: list[torch.Tensor], weights: list[torch.Tensor])
     xs, ws, ys = (list(group) + [group[0]] * padding for group in (inputs, weights, outputs))
     widths = [w.shape[0] for w in weights] + [0] * padding
     grid = (sum(triton.cdiv(n, config["BLOCK_N"]) for n in widths),)
-    _grouped_kernel[grid](*xs, *ws, *ys, *widths, rows, width, **config)
+    pdl = dependent_launch(inputs[0])
+    _grouped_kernel[grid](*xs, *ws, *ys, *widths, rows, width, PDL=pdl, launch_pdl=pdl, **config)
     return outputs
 
 

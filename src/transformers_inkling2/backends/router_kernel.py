@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .dependent_launch import dependent_launch
+from .dependent_launch_kernel import release_successor, wait_for_predecessor
+
 MAX_ROWS = 16  # rows of a step; each program keeps its weight tile in registers and reuses it for every row
 BLOCK_E = 32  # experts of one program
 SLICE = 256  # inputs of one program: one [BLOCK_E, SLICE] fp32 tile (32 KB), loaded at once
@@ -25,26 +28,32 @@ MAX_EXPERTS = 1024  # the top-k program holds a row of scores in registers
 # fmt: off
 @triton.jit
 def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, rows, E, K, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                           SLICE: tl.constexpr):
+                           SLICE: tl.constexpr, PDL: tl.constexpr):
     """grid (cdiv(E, BLOCK_E), cdiv(K, SLICE)): partial[slice, :rows, experts of the block] = x[:, slice] @ w[experts,
     slice].T in fp32 (x, w contiguous, any float dtype, upcast exactly). A program's whole tile is one load, so that
-    the GPU has the weight's bytes in flight at once rather than one small slice per program at a time."""
+    the GPU has the weight's bytes in flight at once rather than one small slice per program at a time; with PDL
+    it is loaded before the wait for the step's previous kernel (no kernel of a step writes a weight)."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
     k_ok = ks < K
     tile_ok = (experts < E)[:, None] & k_ok[None, :]
     w = tl.load(w_ptr + experts[:, None] * K + ks[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    wait_for_predecessor(PDL)
     destination = partial_ptr + tl.program_id(1) * rows * E + experts
     for row in tl.static_range(ROWS):  # masked rather than skipped: the loads of every row can issue at once
         x = tl.load(x_ptr + row * K + ks, mask=k_ok & (row < rows), other=0.0).to(tl.float32)
         tl.store(destination + row * E, tl.sum(w * x[None, :], 1), mask=(experts < E) & (row < rows))
+    release_successor(PDL)
 
 
 @triton.jit
 def _top_k_kernel(partial_ptr, bias_ptr, logits_ptr, weights_ptr, chosen_ptr, rows, E, route_scale,
-                  SLICES: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_ALL: tl.constexpr):
+                  SLICES: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_ALL: tl.constexpr,
+                  PDL: tl.constexpr):
     """grid (rows,): a row's logits from the slices' partial sums; its top-k experts by sigmoid score + bias (ties:
     the lower index), in that order, and their scores normalized to sum to route_scale."""
+    wait_for_predecessor(PDL)
+    release_successor(PDL)  # one small program per row: nothing to queue behind it
     row = tl.program_id(0)
     experts = tl.arange(0, BLOCK_ALL)
     ok = experts < E
@@ -103,15 +112,17 @@ def top_k_routing(
         )
     logits, weights, chosen = _new_outputs(x, weight, top_k)
     slices = triton.cdiv(width, SLICE)
+    pdl = dependent_launch(x)
     partial = x.new_empty(slices, rows, experts, dtype=torch.float32)
     _partial_logits_kernel[(triton.cdiv(experts, BLOCK_E), slices)](
         x, weight, partial, rows, experts, width, ROWS=triton.next_power_of_2(rows), BLOCK_E=BLOCK_E, SLICE=SLICE,
-        num_warps=4,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     # one warp: the top-k's reductions stay in shuffles
     _top_k_kernel[(rows,)](
         partial, bias, logits, weights, chosen, rows, experts, route_scale, SLICES=slices, TOP_K=top_k,
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_ALL=triton.next_power_of_2(experts), num_warps=1,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_ALL=triton.next_power_of_2(experts), PDL=pdl, num_warps=1,
+        launch_pdl=pdl,
     )  # fmt: skip
     return logits, weights, chosen
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from ..backends import dependent_launch
 from ..cache.static import Inkling2StaticCache
 
 logger = logging.get_logger(__name__)
@@ -66,13 +67,19 @@ class CapturedStep:
 def compiled_step(model, compile_config):
     """`torch.compile` of the model for steps that our own CUDA graphs then capture (fused elementwise kernels, fewer
     launches): transformers' CompileConfig defaults to mode "reduce-overhead", which would capture graphs itself, so
-    the cudagraph modes become their plain equivalents. Shapes are static per captured step (`dynamic=False`)."""
+    the cudagraph modes become their plain equivalents. Shapes are static per captured step (`dynamic=False`).
+    Inductor's kernels launch with PDL as ours do (`backends.dependent_launch`), unless the config's options say
+    otherwise."""
     settings = compile_config.to_dict()
-    tuning = {"options": settings["options"]} if settings.get("options") else {}
-    if not tuning:
-        tuning["mode"] = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(
-            settings["mode"], settings["mode"]
-        )
+    mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(
+        settings["mode"], settings["mode"]
+    )
+    options = dict(settings["options"]) if settings.get("options") else None
+    pdl = dependent_launch.inductor_options() if settings["backend"] == "inductor" else {}
+    if pdl:  # torch.compile takes a mode or options: the mode as its options, PDL, and the config's options over both
+        base = options if options is not None else dict(torch._inductor.list_mode_options(mode)) if mode else {}
+        options = {**pdl, **base}
+    tuning = {"mode": mode} if options is None else {"options": options}
     return torch.compile(model, fullgraph=settings["fullgraph"], dynamic=False, backend=settings["backend"], **tuning)
 
 

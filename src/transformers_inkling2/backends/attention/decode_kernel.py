@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dependent_launch import dependent_launch
+from ..dependent_launch_kernel import release_successor, wait_for_predecessor
 from .tiles import (
     LOG2E,
     attention_output_like,
@@ -76,11 +78,12 @@ def _decode_partial_kernel(
     stride_pb, stride_qpb, stride_kpb, stride_btb, key_length, keys_per_split, num_splits, extent, window, scaling,
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
     BN: tl.constexpr, PAGE: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (batch * kv_heads, splits): running max m, sum l and unnormalized output acc of each row over the
     keys [split * keys_per_split, ...) of one kv head. Positions are read at batch strides (0: shared); PAGE > 0:
     keys and values are page pools indexed by the block table (see `_key_block`)."""
+    wait_for_predecessor(PDL)
     pair, split = tl.program_id(0), tl.program_id(1)
     b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
     dims = tl.arange(0, DIM)
@@ -110,6 +113,7 @@ def _decode_partial_kernel(
         scores = tl.where(visible, (scores * scaling + bias.to(tl.float32)) * LOG2E, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
         m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
+    release_successor(PDL)
     part = pair * num_splits + split
     tl.store(m_ptr + part * ROWS + rows, m)
     tl.store(l_ptr + part * ROWS + rows, l)
@@ -120,12 +124,13 @@ def _decode_partial_kernel(
 def _decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, stride_sb, stride_sh, stride_sq, stride_ob, stride_oq, stride_oh,
     num_splits, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
-    DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (batch * kv_heads, GROUPS * QUERIES): one folded row's splits and sink merged by log-sum-exp, its
     splits read SPLIT_BLOCK at a time and summed in a fixed order (deterministic). A program per row, not per kv
     head: at one token a kv head's 30-odd splits of [rows, DIM] read one after another by 8 programs took longer
     than the attention itself."""
+    wait_for_predecessor(PDL)
     pair, row = tl.program_id(0), tl.program_id(1)
     b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS
     query, head = row % QUERIES, kv_head * GROUPS + row // QUERIES
@@ -146,6 +151,7 @@ def _decode_merge_kernel(
         denominator += tl.sum(weight * tl.load(l_ptr + parts * ROWS + row, mask=ok, other=0.0), 0)
         outputs = tl.load(acc_ptr + (parts[:, None] * ROWS + row) * DIM + dims[None, :], mask=ok[:, None], other=0.0)
         numerator += tl.sum(weight[:, None] * outputs, 0)
+    release_successor(PDL)
     destination = out_ptr + b * stride_ob + query * stride_oq + head * stride_oh + dims
     tl.store(destination, (numerator / denominator).to(out_ptr.dtype.element_ty))
 
@@ -217,7 +223,9 @@ def decode_attention(
     l = torch.empty_like(m)
     acc = torch.empty(pairs * splits * rows, head_dim, dtype=torch.float32, device=device)
     output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=device)
-    constants = dict(KV_HEADS=kv_heads, GROUPS=groups, QUERIES=queries, ROWS=rows, DIM=head_dim)
+    pdl = dependent_launch(query)
+    constants = dict(KV_HEADS=kv_heads, GROUPS=groups, QUERIES=queries, ROWS=rows, DIM=head_dim, PDL=pdl,
+                     launch_pdl=pdl)
     _decode_partial_kernel[(pairs, splits)](
         query, key, value, relative_logits, query_positions, key_positions, padding, table, m, l, acc,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (`backends/dependent_launch.py`): when the decode step's kernels launch with it, and
+the `torch.compile` options that launch inductor's kernels the same way (`generation.decode_graphs.compiled_step`).
+That the kernels compile with their waits for Hopper and Blackwell: tests/backends/test_kernel_targets.py; that the
+captured steps give the reference's outputs with it on: the GPU tests of the kernels and of the decode graphs."""
+
+from unittest import mock
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from transformers_inkling2.backends import dependent_launch
+from transformers_inkling2.generation.decode_graphs import compiled_step
+
+PDL = {dependent_launch.INDUCTOR_OPTION: True}
+
+
+def on_gpu(capability):
+    return (
+        mock.patch("torch.cuda.get_device_capability", return_value=capability),
+        mock.patch.object(torch.Tensor, "is_cuda", property(lambda tensor: True)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), True)]
+)
+def test_kernels_launch_dependent_from_hopper_on(capability, expected):
+    gpu, cuda_tensor = on_gpu(capability)
+    with gpu, cuda_tensor:
+        assert dependent_launch.dependent_launch(torch.zeros(1)) is expected
+
+
+def test_the_cpu_and_the_switch_launch_plainly(monkeypatch):
+    assert not dependent_launch.dependent_launch(torch.zeros(1))  # Triton's interpreter runs the kernels here
+    gpu, cuda_tensor = on_gpu((9, 0))
+    monkeypatch.setenv(dependent_launch.ENV, "0")
+    with gpu, cuda_tensor:
+        assert not dependent_launch.dependent_launch(torch.zeros(1))
+    assert dependent_launch.inductor_options() == {}
+
+
+def compile_arguments(config: CompileConfig) -> dict:
+    """What `compiled_step` passes to `torch.compile` for `config`."""
+    with mock.patch("torch.compile") as compile_:
+        compiled_step(torch.nn.Identity(), config)
+    return compile_.call_args.kwargs
+
+
+def test_compiled_steps_launch_inductors_kernels_dependent_too():
+    assert compile_arguments(CompileConfig())["options"] == PDL  # "reduce-overhead": our graphs capture, plain mode
+    autotune = compile_arguments(CompileConfig(mode="max-autotune"))["options"]
+    assert autotune == {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), **PDL}
+    assert autotune["max_autotune"]  # the mode still counts, as its options
+    own = compile_arguments(CompileConfig(options={dependent_launch.INDUCTOR_OPTION: False, "max_autotune": True}))
+    assert own["options"] == {dependent_launch.INDUCTOR_OPTION: False, "max_autotune": True}  # the config's own win
+
+
+def test_other_backends_and_the_switch_keep_the_mode(monkeypatch):
+    eager = compile_arguments(CompileConfig(backend="eager"))
+    assert eager["backend"] == "eager" and eager["mode"] is None and "options" not in eager
+    monkeypatch.setenv(dependent_launch.ENV, "0")
+    plain = compile_arguments(CompileConfig(mode="max-autotune"))
+    assert plain["mode"] == "max-autotune-no-cudagraphs" and "options" not in plain

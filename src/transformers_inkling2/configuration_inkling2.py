@@ -31,7 +31,8 @@ ATTENTION = "layers.*.self_attn"
 TEXT_MODEL_TP_PLAN = {
     "embed_tokens": "replicate",  # named, so that transformers does not split it by vocabulary on its own
     ATTENTION: "inkling2_attention",
-    **{f"{ATTENTION}.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj", "r_proj", "gate_proj", "sink_proj")},
+    **{f"{ATTENTION}.{name}": "inkling2_colwise" for name in ("q_proj", "k_proj", "v_proj", "r_proj", "gate_proj",
+                                                              "sink_proj")},  # fmt: skip
     f"{ATTENTION}.o_proj": "inkling2_rowwise",
     f"{ATTENTION}.q_l2_clip": "inkling2_head_rows",  # scale [heads, head_dim]
     f"{ATTENTION}.rel_l2_clip": "inkling2_head_rows",  # scale [heads, d_rel]
@@ -39,8 +40,8 @@ TEXT_MODEL_TP_PLAN = {
     f"{ATTENTION}.v_sconv.conv1d": "inkling2_head_rows",
     f"{ATTENTION}.k_sconv": "inkling2_head_columns",  # full layers: static_weight [k, kv_heads * head_dim]
     f"{ATTENTION}.v_sconv": "inkling2_head_columns",
-    f"{ATTENTION}.k_sconv.weight_proj": "colwise",  # full layers: rows kv_head * k + lag
-    f"{ATTENTION}.v_sconv.weight_proj": "colwise",
+    f"{ATTENTION}.k_sconv.weight_proj": "inkling2_colwise",  # full layers: rows kv_head * k + lag
+    f"{ATTENTION}.v_sconv.weight_proj": "inkling2_colwise",
     "layers.*.mlp.experts": "inkling2_experts",
 }
 TEXT_MODEL_EP_PLAN = {

@@ -15,6 +15,7 @@ from torch import nn
 
 from transformers_inkling2.backends.projections import MAX_ROWS, input_projections, plain_weight
 from transformers_inkling2.modeling.interfaces import KERNELS
+from transformers_inkling2.modeling.tensors import LOCAL_BLOCK_LINEAR
 
 
 def projection_case(rows, width, outputs, dtype, seed, device="cpu"):
@@ -93,6 +94,8 @@ class HookedLinear(nn.Linear):
         ("pre_hook", False),
         ("narrower input", False),
         ("transposed", False),
+        ("own forward", False),
+        ("local block forward", True),
     ],
 )
 def test_only_plain_linears_take_the_kernels(change, takes):
@@ -106,6 +109,10 @@ def test_only_plain_linears_take_the_kernels(change, takes):
         module.register_forward_pre_hook(lambda *args: None)
     if change == "transposed":
         module.weight = nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16).T)
+    if change in ("own forward", "local block forward"):  # a parallel style's forward: only ours says what it is
+        module.forward = lambda x: x
+    if change == "local block forward":
+        setattr(module, LOCAL_BLOCK_LINEAR, True)
     width = 48 if change == "narrower input" else 64
     assert (plain_weight(module, width, torch.bfloat16) is not None) is takes
 

@@ -24,6 +24,7 @@ from transformers import DistributedConfig
 
 import transformers_inkling2  # noqa: F401  (registers the classes)
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2ForConditionalGeneration
+from transformers_inkling2.backends.projections import plain_weight
 from transformers_inkling2.parallel.tensor_parallel import local_tensor
 from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 
@@ -85,6 +86,15 @@ def holds_its_expert_block(split, reference) -> bool:
     return True
 
 
+def grouped_projection_blocks(model, attention) -> list:
+    """What a decode step's grouped GEMV would read for the six input projections (`plain_weight`: a rank's block, as
+    one GPU's weight), or None where they keep the six linears."""
+    modules = [attention.q_proj, attention.gate_proj, attention.r_proj, attention.sink_proj, attention.k_proj,
+               attention.v_proj]  # fmt: skip
+    weights = [plain_weight(module, model.config.hidden_size, local_tensor(module.weight).dtype) for module in modules]
+    return [None if weight is None else list(weight.shape) for weight in weights]
+
+
 def layout(model) -> dict:
     """What rank holds what: proves the plan was applied (a replicated model would also give equal logits)."""
     layers = model.model.layers
@@ -92,6 +102,7 @@ def layout(model) -> dict:
     attention, full_attention, experts = layers[0].self_attn, layers[full].self_attn, layers[0].mlp.experts
     described = {
         "q_proj": local_shape(attention.q_proj.weight),
+        "grouped_projection_blocks": grouped_projection_blocks(model, attention),
         "k_proj": local_shape(attention.k_proj.weight),
         "o_proj": local_shape(attention.o_proj.weight),
         "sink_proj": local_shape(attention.sink_proj.weight),

@@ -94,6 +94,9 @@ def test_each_rank_holds_the_official_split_of_heads_and_experts(report, checkpo
         assert layout["q_scale"] == [heads, 8] and layout["rel_scale"] == [heads, 4]
         assert layout["sliding_k_conv"] == [kv_heads * 8, 1, 4] and layout["full_static_taps"] == [4, kv_heads * 8]
         assert layout["full_tap_proj"] == [kv_heads * 4, 64]
+        # the decode step's grouped GEMV takes each rank's blocks (q, gate, relative, sink, k, v), as on one GPU
+        q, kv = [heads * 8, 64], [kv_heads * 8, 64]
+        assert layout["grouped_projection_blocks"] == [q, q, [heads * 4, 64], [heads, 64], kv, kv]
         assert layout["lm_head"] == [512 // size, 64]  # vocabulary split, logits gathered
         assert layout["embedding"] == [512, 64] and layout["router"] == [384, 64]  # replicated
         assert layout["experts_per_token"] == 8

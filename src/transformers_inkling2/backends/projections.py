@@ -8,8 +8,9 @@ most `MAX_ROWS` rows, the six (q, gate, relative, sink, k, v, each with its own 
 prologue had too few programs for its 4,608 outputs and ran at 12% of copy bandwidth (docs/benchmarks.md).
 
 Only plain projections take the kernels: an `nn.Linear` without bias or hooks holding an ordinary half-precision
-tensor. A PEFT LoRA layer, a tensor-parallel plan's hooked or DTensor weight, gradients, fp32 weights and the CPU
-keep the reference, which the functions signal by returning None.
+tensor, or the tensor-parallel plan's column split of one (`inkling2_colwise`: its forward is a plain linear over this
+rank's block, which the kernel then reads). A PEFT LoRA layer, other hooked or DTensor weights, gradients, fp32
+weights and the CPU keep the reference, which the functions signal by returning None.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..modeling.tensors import differentiable, plain_contiguous
+from ..modeling.tensors import LOCAL_BLOCK_LINEAR, differentiable, local_tensor, plain_contiguous
 
 # batch x tokens of a step; at 64 rows cuBLAS was faster (docs/benchmarks.md), and prompts are GEMMs, its business
 MAX_ROWS = 16
@@ -26,10 +27,16 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 def plain_weight(module: nn.Module, width: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The weight of a bias-free, hook-free `nn.Linear` over `width` inputs as an ordinary contiguous tensor of
-    `dtype`, or None (anything else: a LoRA wrapper, a parallel plan's hooks or DTensor, a bias, another dtype)."""
+    `dtype` (this rank's block under `inkling2_colwise`), or None (anything else: a LoRA wrapper, another parallel
+    style's hooks, DTensor or forward, a bias, another dtype)."""
     if type(module) is not nn.Linear or module.bias is not None or module._forward_hooks or module._forward_pre_hooks:
         return None
-    weight = module.weight
+    if getattr(module, LOCAL_BLOCK_LINEAR, False):
+        weight = local_tensor(module.weight)
+    elif "forward" in module.__dict__:  # a forward of someone else's: what it computes is unknown
+        return None
+    else:
+        weight = module.weight
     if not plain_contiguous(weight) or weight.dtype != dtype or weight.shape[1] != width:
         return None
     return weight

@@ -18,6 +18,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
 
 
+# Set (True) on an `nn.Linear` whose forward a parallel plan replaced by `F.linear(x, local_tensor(weight))`: a kernel
+# may take the weight's local block as the module's whole weight (parallel/tensor_parallel.py, backends/projections.py).
+LOCAL_BLOCK_LINEAR = "_inkling2_local_block_linear"
+
+
 def differentiable(*tensors: torch.Tensor) -> bool:
     """Whether gradients flow through these inputs (our Triton kernels have no backward)."""
     return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)

@@ -2,8 +2,9 @@
 `torchrun`, and the parallel styles (`inkling2_*`) they need beyond transformers' own.
 
 What each rank holds (always a contiguous block, so a rank reads only its slice of every checkpoint tensor):
-- attention, split by heads: q/k/v/r/gate/sink projections column-wise, `o_proj` row-wise (one all-reduce per
-  layer, of fp32 partial products: see `HeadRowsProjection`); the per-head parameters go with their heads: the
+- attention, split by heads: q/k/v/r/gate/sink projections column-wise (`HeadColumnsProjection`: a plain linear over
+  this rank's rows, which a decode step's grouped GEMV reads as it does one GPU's), `o_proj` row-wise (one all-reduce
+  per layer, of fp32 partial products: see `HeadRowsProjection`); the per-head parameters go with their heads: the
   query and relative-state scales [heads, dim] by rows, the sliding layers' k/v convolution weights
   [channels, 1, k] by channels, the full layers' dynamic-convolution taps (`weight_proj` rows are
   `kv_head * kernel + lag`: column-wise) and static taps [kernel, channels] by channels. Query head h reads kv
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configuration_inkling2 import TEXT_MODEL_EP_PLAN, TEXT_MODEL_TP_PLAN
-from ..modeling.tensors import local_tensor
+from ..modeling.tensors import LOCAL_BLOCK_LINEAR, local_tensor
 
 try:
     import torch.distributed as dist
@@ -162,6 +163,55 @@ class _SumGradientsOverRanks(torch.autograd.Function):
         return grad, None
 
 
+class SplitLinear(ParallelStyle):
+    """A bias-free `nn.Linear` whose weight is split on `dim` by head; `local_forward` says what the module then
+    computes from this rank's block."""
+
+    name: str
+    dim: int
+
+    def shard_param(self, module, param, mesh):
+        tensor = module._parameters[param]
+        if param == "weight":
+            module._parameters[param] = nn.Parameter(
+                _shard_placeholder(tensor, mesh, self.dim), requires_grad=tensor.requires_grad
+            )
+
+    def install_forward(self, module, mesh):
+        if module.bias is not None:
+            raise ValueError(f"{self.name} shards projections without a bias (Inkling2's have none).")
+        module.forward = self.local_forward(module, mesh.get_group())
+        return module
+
+    def local_forward(self, module, group):
+        raise NotImplementedError
+
+
+class HeadColumnsProjection(SplitLinear):
+    """A projection to heads (q, k, v, r, gate, sink; the full layers' tap projections) split column-wise: its weight's
+    rows, the output features, by head, over a replicated input, so no communication in the forward. Instead of
+    transformers' `colwise` (DTensor hooks on every call) the module computes `F.linear(x, this rank's block)` and says
+    so (`LOCAL_BLOCK_LINEAR`): a decode step's input projections then take the grouped GEMV as on one GPU
+    (`backends/projections.py`). In training the input's gradient is summed over the ranks, each holding the part
+    that flows through its heads."""
+
+    name, dim = "inkling2_colwise", 0
+
+    def install_forward(self, module, mesh):
+        module = super().install_forward(module, mesh)
+        setattr(module, LOCAL_BLOCK_LINEAR, True)
+        return module
+
+    def local_forward(self, module, group):
+        def forward(x):
+            weight = local_tensor(module.weight)
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                x = _SumGradientsOverRanks.apply(x, group)
+            return F.linear(x, weight)
+
+        return forward
+
+
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` accumulated and returned in fp32: a bf16 GEMM with an fp32 output on CUDA (`torch.mm`'s
     `out_dtype`), an fp32 GEMM elsewhere."""
@@ -174,24 +224,15 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
 
 
-class HeadRowsProjection(ParallelStyle):
+class HeadRowsProjection(SplitLinear):
     """`o_proj` row-wise: its input is this rank's heads, its weight the matching input columns; the partial products
     are summed over the ranks in fp32 and rounded once, like one GPU's GEMM (fp32 accumulation). transformers'
     `rowwise` rounds each partial to bf16 before the sum, which on a toy-width bf16 model moved the logits ten times
     further from one GPU's than bf16 itself does (from fp32)."""
 
-    def shard_param(self, module, param, mesh):
-        tensor = module._parameters[param]
-        if param == "weight":
-            module._parameters[param] = nn.Parameter(
-                _shard_placeholder(tensor, mesh, -1), requires_grad=tensor.requires_grad
-            )
+    name, dim = "inkling2_rowwise", -1
 
-    def install_forward(self, module, mesh):
-        if module.bias is not None:
-            raise ValueError("inkling2_rowwise shards projections without a bias (Inkling2's o_proj has none).")
-        group = mesh.get_group()
-
+    def local_forward(self, module, group):
         def forward(x):
             weight = local_tensor(module.weight)
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -200,8 +241,7 @@ class HeadRowsProjection(ParallelStyle):
             dist.all_reduce(partial, group=group)
             return partial.to(x.dtype)
 
-        module.forward = forward
-        return module
+        return forward
 
 
 def split_experts(experts: nn.Module, mesh, first_expert_is_global: bool) -> None:
@@ -265,6 +305,7 @@ def register_parallel_styles() -> None:
     ALL_PARALLEL_STYLES.register("inkling2_attention", AttentionHeads())
     ALL_PARALLEL_STYLES.register("inkling2_head_rows", HeadBlocks(0))
     ALL_PARALLEL_STYLES.register("inkling2_head_columns", HeadBlocks(-1))
+    ALL_PARALLEL_STYLES.register("inkling2_colwise", HeadColumnsProjection())
     ALL_PARALLEL_STYLES.register("inkling2_rowwise", HeadRowsProjection())
     ALL_PARALLEL_STYLES.register("inkling2_experts", ExpertBlocks())
     ALL_PARALLEL_STYLES.register("inkling2_expert_blocks", ExpertBlocksForDispatch())

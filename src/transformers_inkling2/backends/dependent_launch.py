@@ -3,10 +3,10 @@
 A captured decode step is a chain of short kernels, and an H200 idles between one kernel's end and the next one's
 start (about 1.6 us a kernel in a layer, docs/benchmarks.md). A kernel launched with PDL may be scheduled while its
 predecessor still runs: it waits (`gdc_wait`) for the predecessor to complete before it reads or writes anything a
-kernel of the step touches, and only after that wait lets its own successor be scheduled
-(`gdc_launch_dependents`). Waiting before releasing keeps the chain exact: when a kernel starts, every kernel before
-its predecessor has completed, and the predecessor's writes are visible past the wait. Before its wait a kernel may
-only read what no kernel of the step writes (weights).
+kernel of the step touches, and lets its own successor be scheduled (`gdc_launch_dependents`) after its last load.
+Waiting before releasing keeps the chain exact: when a kernel starts, every kernel before its predecessor has
+completed, and the predecessor's writes are visible past the wait. Before its wait a kernel may only read what no
+kernel of the step writes (weights).
 
 `torch.compile`'s own kernels follow the same rule (`torch._inductor.config.triton.enable_pdl`), which the compiled
 decode steps turn on with ours (`generation.decode_graphs`); cuBLAS kernels launch plainly and simply end the

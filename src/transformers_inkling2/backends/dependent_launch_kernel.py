@@ -17,9 +17,11 @@ def wait_for_predecessor(PDL: tl.constexpr):
 @triton.jit
 def release_successor(PDL: tl.constexpr):
     """With PDL, after `wait_for_predecessor`: the next kernel may be scheduled once every program has come here (or
-    ended). Called once a program's main loop is done: a successor released earlier holds SM slots while it waits,
-    and the programs of a grid of several waves then queue behind it (4 step convolutions released at the start of
-    the projections' GEMV: 41.8 us of waiting per layer, H200, docs/benchmarks.md)."""
+    ended). Called after a program's last load, where only stores remain: a successor that runs without waiting
+    (inductor's kernels wait only for the buffers the previous kernel names) may then reuse the memory of our inputs,
+    and a successor released earlier holds SM slots while it waits, so the programs of a grid of several waves queue
+    behind it (4 step convolutions released at the start of the projections' GEMV: 41.8 us of waiting per layer,
+    H200, docs/benchmarks.md)."""
     if PDL:
         gdc_launch_dependents()
 

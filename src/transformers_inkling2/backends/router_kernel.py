@@ -53,7 +53,6 @@ def _top_k_kernel(partial_ptr, bias_ptr, logits_ptr, weights_ptr, chosen_ptr, ro
     """grid (rows,): a row's logits from the slices' partial sums; its top-k experts by sigmoid score + bias (ties:
     the lower index), in that order, and their scores normalized to sum to route_scale."""
     wait_for_predecessor(PDL)
-    release_successor(PDL)  # one small program per row: nothing to queue behind it
     row = tl.program_id(0)
     experts = tl.arange(0, BLOCK_ALL)
     ok = experts < E
@@ -80,6 +79,7 @@ def _top_k_kernel(partial_ptr, bias_ptr, logits_ptr, weights_ptr, chosen_ptr, ro
     chosen_logits = tl.zeros((BLOCK_TOP_K,), dtype=tl.float32)
     for part in tl.static_range(SLICES):
         chosen_logits += tl.load(partial_ptr + (part * rows + row) * E + chosen, mask=pick_ok, other=0.0)
+    release_successor(PDL)
     picked = tl.where(pick_ok, 1.0 / (1.0 + tl.exp(-chosen_logits)), 0.0)
     weights = picked / (tl.sum(picked, 0) + 1e-20) * route_scale
     tl.store(chosen_ptr + row * TOP_K + picks, chosen, mask=pick_ok)

@@ -123,22 +123,21 @@ def _step_convolution_kernel(
     ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
     mask_row = mask_ptr + b * stride_mb
     taps = weight_ptr + chans[None, :] * stride_wc
-    acc = _step_context(tokens, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
-                        history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
-    acc = acc * tl.load(taps, mask=chan_ok, other=0.0)
+    rows = _step_context(tokens, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
+                         history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
+    acc = rows * tl.load(taps, mask=chan_ok, other=0.0)
     for tap in tl.static_range(1, KERNEL_SIZE):
         rows = _step_context(tokens + tap, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
                              history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
         acc = acc + rows * tl.load(taps + tap * stride_wk, mask=chan_ok, other=0.0)
+    # the last tap's rows (offset k - 1 = the history's length) are the step's own masked inputs: the ring's new ones
     x = tl.load(x_rows + tokens[:, None] * stride_xt, mask=ok, other=0.0)
+    write = tl.load(write_slots_ptr + tokens, mask=token_ok, other=0)
+    release_successor(PDL)
     out = tl.div_rn(acc + x.to(tl.float32), divisor)
     tl.store(out_ptr + (b * TOKENS + tokens[:, None]) * channels + chans[None, :], out.to(out_ptr.dtype.element_ty),
              mask=ok)
-    new_inputs = _step_context(tokens + KERNEL_SIZE - 1, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows,
-                               stride_rs, history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
-    write = tl.load(write_slots_ptr + tokens, mask=token_ok, other=0)
-    release_successor(PDL)
-    tl.store(ring_rows + write[:, None] * stride_rs, new_inputs, mask=ok)
+    tl.store(ring_rows + write[:, None] * stride_rs, rows, mask=ok)
 
 
 # fmt: on

@@ -77,7 +77,9 @@ def compiled_step(model, compile_config):
     options = dict(settings["options"]) if settings.get("options") else None
     pdl = dependent_launch.inductor_options() if settings["backend"] == "inductor" else {}
     if pdl:  # torch.compile takes a mode or options: the mode as its options, PDL, and the config's options over both
-        base = options if options is not None else dict(torch._inductor.list_mode_options(mode)) if mode else {}
+        from torch._inductor import list_mode_options
+
+        base = options if options is not None else dict(list_mode_options(mode)) if mode else {}
         options = {**pdl, **base}
     tuning = {"mode": mode} if options is None else {"options": options}
     return torch.compile(model, fullgraph=settings["fullgraph"], dynamic=False, backend=settings["backend"], **tuning)

@@ -225,103 +225,182 @@ def _as_bytes(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """One `moe_forward` call as the kernels see it: T tokens routed to top_k experts each (T * top_k slots), hidden
+    size H, expert width I, E experts of one format (its kernel code), the tile shape and the slots' routing."""
+
+    tokens: int
+    top_k: int
+    hidden: int
+    inter: int
+    num_experts: int
+    fmt: str
+    config: KernelConfig
+    routing: Routing
+
+    @property
+    def slots(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def code(self) -> int:
+        return _FMT_CODE[self.fmt]
+
+    @property
+    def tiles(self) -> tuple[torch.Tensor, ...]:
+        """The routing as the GEMMs take it: slots sorted by expert, each M tile's expert and first slot, and the
+        experts' offsets into the sorted slots."""
+        routing = self.routing
+        return routing.sorted_slots, routing.tile_expert, routing.tile_start, routing.expert_offsets
+
+
+@dataclass(frozen=True)
+class _KernelWeights:
+    """The experts' tensors as the kernels read them: values (BF16, or the packed bytes of E4M3 / E2M1), block
+    scales as bytes, and NVFP4's fp32 outer multipliers ([E, 2]: gate, up; [E]); a placeholder where a format has
+    no scale or multiplier (the kernels never read it)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down_scale: torch.Tensor
+    gate_up_outer: torch.Tensor
+    down_outer: torch.Tensor
+
+
+def _kernel_weights(fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, placeholder) -> _KernelWeights:
+    if fmt == "bf16":
+        gate_up, down = w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous()
+    else:
+        gate_up, down = _as_bytes(w13, w13).contiguous(), _as_bytes(w2, w2).contiguous()
+    gate_up_outer = down_outer = placeholder
+    if fmt == "nvfp4":
+        num_experts = w13.shape[0]
+        gate_up_outer = w13_outer.float().reshape(num_experts, -1).expand(num_experts, 2).contiguous()
+        down_outer = w2_outer.float().reshape(num_experts).contiguous()
+    return _KernelWeights(gate_up, down, _as_bytes(w13_scale, gate_up).contiguous(),
+                          _as_bytes(w2_scale, down).contiguous(), gate_up_outer, down_outer)  # fmt: skip
+
+
+def _gate_up_inputs(x, problem: _Problem, placeholder):
+    """(what the gate/up GEMM reads, its per-token scale, the [slots, I] buffer its SwiGLU output goes to). NVFP4 and
+    the register kernels multiply in f16: each token scaled by a power of two into f16 range (NVFP4: its inputs
+    de-interleaved, see the kernels), one launch; the others read the bf16 x as it is."""
+    kernels = _kernels()
+    if problem.fmt == "nvfp4" or problem.config.register_gemv:
+        x_in = torch.empty(problem.tokens, problem.hidden, dtype=torch.float16, device=x.device)
+        x_scale = torch.empty(problem.tokens, dtype=torch.float32, device=x.device)
+        row = _next_pow2(problem.hidden)
+        kernels._x_to_f16_kernel[(problem.tokens,)](x, x.stride(0), x_in, x_scale, problem.hidden,
+                                                    DEINTERLEAVE=problem.fmt == "nvfp4", BLOCK=row,
+                                                    num_warps=max(4, min(16, row // 1024)))  # fmt: skip
+        # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
+        return x_in, x_scale, torch.empty(problem.slots, problem.inter, dtype=torch.float16, device=x.device)
+    return x, placeholder, torch.empty(problem.slots, problem.inter, dtype=torch.bfloat16, device=x.device)
+
+
+def _splits(problem: _Problem) -> tuple[int, int]:
+    """How many programs share the reduction of the gate/up GEMM (over H) and of the down GEMM (over I)."""
+    config = problem.config
+    if config.register_gemv:
+        return tuple(_steps_split(k_dim // _REGISTER_STEP_INPUTS[problem.fmt], config.split_k)
+                     for k_dim in (problem.hidden, problem.inter))  # fmt: skip
+    return _split_k(problem.hidden, config.split_k), _split_k(problem.inter, config.split_k)
+
+
+def _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split, partial_out) -> None:
+    """act = softcapped SwiGLU of each slot's gate/up products (with split K: fp32 partial sums to partial_out, the
+    SwiGLU after them in `_swiglu_kernel`)."""
+    config, tiles, n_tiles = problem.config, problem.tiles, problem.routing.tile_expert.numel()
+    w, scale = weights.gate_up, weights.gate_up_scale
+    caps = (float(gate_cap), float(up_cap))
+    if config.register_gemv:
+        register = _register_kernels()
+        register._gate_up_kernel[(n_tiles, problem.inter // register.FEATURES.value, split)](
+            x_in, *tiles, w, w.stride(0), w.stride(1), scale, scale.stride(0), scale.stride(1), weights.gate_up_outer,
+            x_scale, act, partial_out, problem.slots, problem.hidden, problem.inter, *caps, TOPK=problem.top_k,
+            SPLIT_K=split, FMT=problem.code, num_warps=register.WARPS.value,
+        )  # fmt: skip
+        return
+    _kernels()._gate_up_kernel[(n_tiles, _cdiv(problem.inter, config.gate_up_n), split)](
+        x_in, x_in.stride(0), *tiles, w, w.stride(0), w.stride(1), scale, scale.stride(0), scale.stride(1),
+        weights.gate_up_outer, x_scale, act, act.stride(0), partial_out, problem.slots, problem.hidden, problem.inter,
+        *caps, TOPK=problem.top_k, FMT=problem.code, BM=config.block_m, BN=config.gate_up_n,
+        BK=_block_k(problem.hidden // split, config.block_k), SPLIT_K=split, DOT_FP32=_interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _down(problem, weights, act, slot_weights, split, y) -> None:
+    """y[split part, slot] = the slot's routing weight times down(act[slot]), fp32, per split part of I."""
+    config, tiles, n_tiles = problem.config, problem.tiles, problem.routing.tile_expert.numel()
+    w, scale = weights.down, weights.down_scale
+    if config.register_gemv:
+        register = _register_kernels()
+        register._down_kernel[(n_tiles, problem.hidden // register.ROWS.value, split)](
+            act, *tiles, slot_weights, w, w.stride(0), w.stride(1), scale, scale.stride(0), scale.stride(1),
+            weights.down_outer, y, problem.slots, problem.hidden, problem.inter, FMT=problem.code,
+            num_warps=register.WARPS.value,
+        )  # fmt: skip
+        return
+    _kernels()._down_kernel[(n_tiles, _cdiv(problem.hidden, config.down_n), split)](
+        act, act.stride(0), *tiles, slot_weights, w, w.stride(0), w.stride(1), scale, scale.stride(0),
+        scale.stride(1), weights.down_outer, y, problem.slots, problem.hidden, problem.inter, FMT=problem.code,
+        BM=config.block_m, BN=config.down_n, BK=_block_k(problem.inter // split, config.block_k), SPLIT_K=split,
+        DOT_FP32=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale, w2_scale, w13_outer,
                         w2_outer, gate_cap, up_cap, routing=None, config: KernelConfig | None = None,
                         out: torch.Tensor | None = None):
-    k = _kernels()
-    num_experts, h, inter = _expert_dims(fmt, w13, w2)
-    t, top_k = expert_ids.shape
-    if x.shape != (t, h):
-        raise ValueError(f"x must be [{t}, {h}], got {tuple(x.shape)}")
-    s = t * top_k
-    register_gemv = _register_gemv_usable(x, fmt, h, inter)
-    cfg = config or pick_config(s, num_experts, fmt, register_gemv)
-    if cfg.register_gemv and not register_gemv:
+    """`moe_forward` on CUDA tensors (or under Triton's interpreter): route, cast the activations where the format
+    multiplies in f16, the gate/up GEMM with its SwiGLU, the down GEMM weighted per slot, and the combine that adds
+    each token's slots (and the split-K parts) in a fixed order."""
+    num_experts, hidden, inter = _expert_dims(fmt, w13, w2)
+    tokens, top_k = expert_ids.shape
+    if x.shape != (tokens, hidden):
+        raise ValueError(f"x must be [{tokens}, {hidden}], got {tuple(x.shape)}")
+    register_gemv = _register_gemv_usable(x, fmt, hidden, inter)
+    config = config or pick_config(tokens * top_k, num_experts, fmt, register_gemv)
+    if config.register_gemv and not register_gemv:
         raise ValueError("register_gemv needs NVFP4 (MXFP8) experts with H and I multiples of 256 (128) on a CUDA "
                          "GPU of compute capability >= 8.9 and a Triton with Gluon; leave config=None to let "
                          "pick_config choose")
     if routing is None:
-        routing = _route_triton(expert_ids, num_experts, cfg.block_m)
-    elif routing.block_m != cfg.block_m:
-        raise ValueError(f"routing was built for block_m={routing.block_m}, the kernels use {cfg.block_m}")
-    dev = x.device
+        routing = _route_triton(expert_ids, num_experts, config.block_m)
+    elif routing.block_m != config.block_m:
+        raise ValueError(f"routing was built for block_m={routing.block_m}, the kernels use {config.block_m}")
     if out is None:
-        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-    elif out.shape != (t, h) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"out must be a bf16 [{t}, {h}] tensor with unit column stride")
-    if t == 0:
+        out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (tokens, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"out must be a bf16 [{tokens}, {hidden}] tensor with unit column stride")
+    if tokens == 0:
         return out
+    problem = _Problem(tokens, top_k, hidden, inter, num_experts, fmt, config, routing)
     x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
-    ids = expert_ids.contiguous()
-    rw = routing_weights.reshape(-1).float().contiguous()
-    code = _FMT_CODE[fmt]
-
-    if fmt == "bf16":
-        w13q, w2q = w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous()
-    else:
-        w13q, w2q = _as_bytes(w13, w13).contiguous(), _as_bytes(w2, w2).contiguous()
-    s13 = _as_bytes(w13_scale, w13q).contiguous()
-    s2 = _as_bytes(w2_scale, w2q).contiguous()
-    if fmt == "nvfp4":
-        o13 = w13_outer.float().reshape(num_experts, -1).expand(num_experts, 2).contiguous()
-        o2 = w2_outer.float().reshape(num_experts).contiguous()
-    else:
-        o13 = o2 = rw  # unused
-
-    if fmt == "nvfp4" or cfg.register_gemv:
-        # f16 MMAs: x scaled per token by a power of two into f16 range (NVFP4: de-interleaved, see kernels).
-        x_in = torch.empty(t, h, dtype=torch.float16, device=dev)
-        x_scale = torch.empty(t, dtype=torch.float32, device=dev)
-        row = _next_pow2(h)
-        k._x_to_f16_kernel[(t,)](x, x.stride(0), x_in, x_scale, h, DEINTERLEAVE=fmt == "nvfp4", BLOCK=row,
-                                 num_warps=max(4, min(16, row // 1024)))
-        # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
-        act = torch.empty(s, inter, dtype=torch.float16, device=dev)
-    else:
-        x_in, x_scale = x, rw  # x_scale unused
-        act = torch.empty(s, inter, dtype=torch.bfloat16, device=dev)
-    n_tiles = routing.tile_expert.numel()
-    tiles = (routing.sorted_slots, routing.tile_expert, routing.tile_start, routing.expert_offsets)
-    if cfg.register_gemv:
-        rk = _register_kernels()
-        split_gu, split_dn = (_steps_split(k // _REGISTER_STEP_INPUTS[fmt], cfg.split_k) for k in (h, inter))
-    else:
-        split_gu, split_dn = _split_k(h, cfg.split_k), _split_k(inter, cfg.split_k)
-    part = torch.empty(split_gu if split_gu > 1 else 0, s, 2 * inter, dtype=torch.float32, device=dev)
-    y = torch.empty(split_dn, s, h, dtype=torch.float32, device=dev)
-    if cfg.register_gemv:
-        rk._gate_up_kernel[(n_tiles, inter // rk.FEATURES.value, split_gu)](
-            x_in, *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1), o13, x_scale,
-            act, part if split_gu > 1 else y, s, h, inter, float(gate_cap), float(up_cap), TOPK=top_k,
-            SPLIT_K=split_gu, FMT=code, num_warps=rk.WARPS.value)
-    else:
-        k._gate_up_kernel[(n_tiles, _cdiv(inter, cfg.gate_up_n), split_gu)](
-            x_in, x_in.stride(0), *tiles, w13q, w13q.stride(0), w13q.stride(1), s13, s13.stride(0), s13.stride(1),
-            o13, x_scale, act, act.stride(0), part if split_gu > 1 else y, s, h, inter, float(gate_cap),
-            float(up_cap), TOPK=top_k, FMT=code, BM=cfg.block_m, BN=cfg.gate_up_n,
-            BK=_block_k(h // split_gu, cfg.block_k), SPLIT_K=split_gu, DOT_FP32=_interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    if part.numel():
-        k._swiglu_kernel[(_cdiv(s, 16), _cdiv(inter, 128))](
-            part, routing.expert_offsets, act, act.stride(0), s, num_experts, inter, float(gate_cap),
-            float(up_cap), FMT=code, SPLIT_K=split_gu, BR=16, BC=128, num_warps=4,
-        )
-    if cfg.register_gemv:
-        rk._down_kernel[(n_tiles, h // rk.ROWS.value, split_dn)](
-            act, *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2, y, s, h, inter,
-            FMT=code, num_warps=rk.WARPS.value)
-    else:
-        k._down_kernel[(n_tiles, _cdiv(h, cfg.down_n), split_dn)](
-            act, act.stride(0), *tiles, rw, w2q, w2q.stride(0), w2q.stride(1), s2, s2.stride(0), s2.stride(1), o2,
-            y, s, h, inter, FMT=code, BM=cfg.block_m, BN=cfg.down_n, BK=_block_k(inter // split_dn, cfg.block_k),
-            SPLIT_K=split_dn, DOT_FP32=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    block = min(1024, _next_pow2(h))
-    k._combine_kernel[(t, _cdiv(h, block))](y, ids, out, out.stride(0), s, h, num_experts, TOPK=top_k,
-                                                  SPLIT_K=split_dn, BLOCK=block, num_warps=4)
+    slot_weights = routing_weights.reshape(-1).float().contiguous()  # also the placeholder of unused arguments
+    weights = _kernel_weights(fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, slot_weights)
+    x_in, x_scale, act = _gate_up_inputs(x, problem, slot_weights)
+    split_gate_up, split_down = _splits(problem)
+    partial = torch.empty(split_gate_up if split_gate_up > 1 else 0, problem.slots, 2 * inter, dtype=torch.float32,
+                          device=x.device)  # fmt: skip
+    y = torch.empty(split_down, problem.slots, hidden, dtype=torch.float32, device=x.device)
+    _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split_gate_up, partial if split_gate_up > 1 else y)
+    kernels = _kernels()
+    if split_gate_up > 1:
+        kernels._swiglu_kernel[(_cdiv(problem.slots, 16), _cdiv(inter, 128))](
+            partial, routing.expert_offsets, act, act.stride(0), problem.slots, num_experts, inter, float(gate_cap),
+            float(up_cap), FMT=problem.code, SPLIT_K=split_gate_up, BR=16, BC=128, num_warps=4,
+        )  # fmt: skip
+    _down(problem, weights, act, slot_weights, split_down, y)
+    block = min(1024, _next_pow2(hidden))
+    kernels._combine_kernel[(tokens, _cdiv(hidden, block))](y, expert_ids.contiguous(), out, out.stride(0),
+                                                            problem.slots, hidden, num_experts, TOPK=top_k,
+                                                            SPLIT_K=split_down, BLOCK=block, num_warps=4)  # fmt: skip
     return out
 
 

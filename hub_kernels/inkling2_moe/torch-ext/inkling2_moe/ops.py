@@ -136,39 +136,43 @@ def _next_pow2(n: int) -> int:
 
 
 def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
-    k = _kernels()
+    """`route` on CUDA. Up to `_RANK_ROUTE_SLOTS` slots, each slot's rank among its expert's slots is counted pairwise:
+    one launch when one program holds every slot, else a second that lays out the tiles. Beyond, per-chunk
+    histograms, one scan and a scatter. Grids depend on the slot count only."""
+    kernels = _kernels()
     ids = expert_ids.contiguous()
     top_k = ids.shape[1]
-    s = ids.numel()
-    dev = ids.device
-    nb = _next_pow2(num_experts + 1)
-    n_tiles = max_tiles(s, num_experts, block_m)
-    i32 = torch.int32
-    sorted_slots = torch.empty(s, dtype=i32, device=dev)
-    position = torch.empty(s, dtype=i32, device=dev)
-    offsets = torch.empty(num_experts + 1, dtype=i32, device=dev)
-    tile_expert = torch.empty(n_tiles, dtype=i32, device=dev)
-    tile_start = torch.empty(n_tiles, dtype=i32, device=dev)
-    tb = max(8, min(32, 16384 // nb))
-    if s <= _RANK_ROUTE_SLOTS:
-        rb = min(_ROUTE_BLOCK, max(16, _next_pow2(s)))
-        programs = _next_pow2(_cdiv(s, rb))  # each also counts the offsets of nb / programs experts (at least one)
-        k._route_rank_kernel[(programs,)](ids, sorted_slots, position, offsets, tile_expert, tile_start, s,
-                                          num_experts, n_tiles, RB=rb, NB=nb, NBP=max(1, nb // programs),
-                                          TILES=programs == 1, BM=block_m, TB=tb, num_warps=4)
+    slots = ids.numel()
+    device = ids.device
+    bins = _next_pow2(num_experts + 1)  # the experts, and one bin for the dropped slots (ids outside [0, E))
+    n_tiles = max_tiles(slots, num_experts, block_m)
+    sorted_slots = torch.empty(slots, dtype=torch.int32, device=device)
+    position = torch.empty(slots, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=device)
+    tile_start = torch.empty(n_tiles, dtype=torch.int32, device=device)
+    tile_block = max(8, min(32, 16384 // bins))
+    if slots <= _RANK_ROUTE_SLOTS:
+        rank_block = min(_ROUTE_BLOCK, max(16, _next_pow2(slots)))
+        programs = _next_pow2(_cdiv(slots, rank_block))  # each also counts the offsets of bins / programs experts
+        kernels._route_rank_kernel[(programs,)](ids, sorted_slots, position, offsets, tile_expert, tile_start, slots,
+                                                num_experts, n_tiles, RB=rank_block, NB=bins,
+                                                NBP=max(1, bins // programs), TILES=programs == 1, BM=block_m,
+                                                TB=tile_block, num_warps=4)  # fmt: skip
         if programs > 1:
-            k._route_tiles_kernel[(1,)](offsets, tile_expert, tile_start, num_experts, n_tiles, BM=block_m, NB=nb,
-                                        TB=tb, num_warps=4)
+            kernels._route_tiles_kernel[(1,)](offsets, tile_expert, tile_start, num_experts, n_tiles, BM=block_m,
+                                              NB=bins, TB=tile_block, num_warps=4)  # fmt: skip
     else:
-        chunks = -(-s // _ROUTE_CHUNK)
-        hist = torch.empty(chunks, nb, dtype=i32, device=dev)
-        chunk_base = torch.empty(chunks, nb, dtype=i32, device=dev)
-        k._route_hist_kernel[(chunks,)](ids, hist, s, num_experts, CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK, NB=nb,
-                                        num_warps=4)
-        k._route_scan_kernel[(1,)](hist, chunk_base, offsets, tile_expert, tile_start, chunks, num_experts,
-                                   n_tiles, BM=block_m, NB=nb, TB=tb, num_warps=4)
-        k._route_scatter_kernel[(chunks,)](ids, chunk_base, offsets, sorted_slots, position, s, num_experts,
-                                           CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK, NB=nb, num_warps=4)
+        chunks = _cdiv(slots, _ROUTE_CHUNK)
+        histogram = torch.empty(chunks, bins, dtype=torch.int32, device=device)
+        chunk_base = torch.empty(chunks, bins, dtype=torch.int32, device=device)
+        kernels._route_hist_kernel[(chunks,)](ids, histogram, slots, num_experts, CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK,
+                                              NB=bins, num_warps=4)  # fmt: skip
+        kernels._route_scan_kernel[(1,)](histogram, chunk_base, offsets, tile_expert, tile_start, chunks, num_experts,
+                                         n_tiles, BM=block_m, NB=bins, TB=tile_block, num_warps=4)  # fmt: skip
+        kernels._route_scatter_kernel[(chunks,)](ids, chunk_base, offsets, sorted_slots, position, slots,
+                                                 num_experts, CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK, NB=bins,
+                                                 num_warps=4)  # fmt: skip
     return Routing(sorted_slots, position, offsets, tile_expert, tile_start, num_experts, top_k, block_m)
 
 

@@ -3,9 +3,10 @@
 
 Tiny configs; our model and transformers' built-in `inkling2` (the oracle) on equal weights; greedy references; the
 Triton-interpreter runner; attention inputs; multimodal prompts; a DSpark drafter and planted drafts; static-cache
-steps. Never a test module: nothing here is collected.
+steps; a mocked GPU for host code. Never a test module: nothing here is collected.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -297,6 +299,17 @@ def run_steps(model, cache, input_ids, attention_mask, step_sizes, forward=None,
                 cache.crop(-3)
                 mask = mask[:, :-3]
     return logits
+
+
+@contextlib.contextmanager
+def on_mocked_gpu(capability: tuple[int, int]):
+    """Host code inside sees every tensor as a CUDA tensor on a GPU of compute `capability` (what the dispatch and
+    the launch options read), while the tensors stay on this CPU."""
+    with (
+        mock.patch("torch.cuda.get_device_capability", return_value=capability),
+        mock.patch.object(torch.Tensor, "is_cuda", property(lambda tensor: True)),
+    ):
+        yield
 
 
 def within(actual, expected, tolerance):

@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
+from inkling2_helpers import on_mocked_gpu
 from transformers import CompileConfig
 
 from transformers_inkling2.backends import dependent_launch
@@ -15,27 +16,18 @@ from transformers_inkling2.generation.decode_graphs import compiled_step
 PDL = {dependent_launch.INDUCTOR_OPTION: True}
 
 
-def on_gpu(capability):
-    return (
-        mock.patch("torch.cuda.get_device_capability", return_value=capability),
-        mock.patch.object(torch.Tensor, "is_cuda", property(lambda tensor: True)),
-    )
-
-
 @pytest.mark.parametrize(
     ("capability", "expected"), [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), True)]
 )
 def test_kernels_launch_dependent_from_hopper_on(capability, expected):
-    gpu, cuda_tensor = on_gpu(capability)
-    with gpu, cuda_tensor:
+    with on_mocked_gpu(capability):
         assert dependent_launch.dependent_launch(torch.zeros(1)) is expected
 
 
 def test_the_cpu_and_the_switch_launch_plainly(monkeypatch):
     assert not dependent_launch.dependent_launch(torch.zeros(1))  # Triton's interpreter runs the kernels here
-    gpu, cuda_tensor = on_gpu((9, 0))
     monkeypatch.setenv(dependent_launch.ENV, "0")
-    with gpu, cuda_tensor:
+    with on_mocked_gpu((9, 0)):
         assert not dependent_launch.dependent_launch(torch.zeros(1))
     assert dependent_launch.inductor_options() == {}
 

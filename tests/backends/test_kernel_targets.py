@@ -33,6 +33,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
+from inkling2_helpers import on_mocked_gpu  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from transformers_inkling2 import Inkling2TextConfig  # noqa: E402
@@ -97,11 +98,7 @@ def on_gpu(capability: tuple[int, int]):
     def record(kernel, *args, grid, warmup, **options):
         launches.append(Launch(kernel, args, grid, options))
 
-    with (
-        mock.patch.object(JITFunction, "run", record),
-        mock.patch("torch.cuda.get_device_capability", return_value=capability),
-        mock.patch.object(torch.Tensor, "is_cuda", property(lambda tensor: True)),
-    ):
+    with mock.patch.object(JITFunction, "run", record), on_mocked_gpu(capability):
         yield launches
 
 

@@ -50,7 +50,9 @@ import torch
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from test_routing import agrees, router_case
+from transformers_inkling2.backends import routing, router_kernel
 from transformers_inkling2.backends.router_kernel import top_k_routing
+assert (routing.MAX_ROWS, routing.MAX_EXPERTS) == (router_kernel.MAX_ROWS, router_kernel.MAX_EXPERTS)
 
 # widths off the K slices, expert counts off BLOCK_E, 1 to 16 rows, bf16 and fp32 inputs
 results = {}

@@ -18,10 +18,11 @@ import triton.language as tl
 
 from .dependent_launch import dependent_launch
 from .dependent_launch_kernel import release_successor, wait_for_predecessor
-from .routing import MAX_EXPERTS, MAX_ROWS
 
+MAX_ROWS = 16  # rows of a step; each program keeps its weight tile in registers and reuses it for every row
 BLOCK_E = 32  # experts of one program
 SLICE = 256  # inputs of one program: one [BLOCK_E, SLICE] fp32 tile (32 KB), loaded at once
+MAX_EXPERTS = 1024  # the top-k program holds a row of scores in registers
 
 
 # fmt: off

@@ -14,10 +14,9 @@ import torch
 
 from ..modeling.tensors import differentiable, plain_contiguous
 
-# tokens of a step (batch x step length): each program of `router_kernel` keeps its weight tile in registers and
-# reuses it for every row; past 16 cuBLAS's GEMM wins
+# tokens of a step (batch x step length), as `router_kernel` takes them; past that cuBLAS's GEMM wins
 MAX_ROWS = 16
-MAX_EXPERTS = 1024  # the top-k program holds a row of scores in registers
+MAX_EXPERTS = 1024
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -38,4 +37,4 @@ def top_k_routing(
     return routing_kernel(x.contiguous(), weight, bias, top_k, float(route_scale))
 
 
-__all__ = ["MAX_EXPERTS", "MAX_ROWS", "top_k_routing"]
+__all__ = ["MAX_ROWS", "top_k_routing"]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -302,11 +303,13 @@ def run_steps(model, cache, input_ids, attention_mask, step_sizes, forward=None,
 
 
 @contextlib.contextmanager
-def on_mocked_gpu(capability: tuple[int, int]):
-    """Host code inside sees every tensor as a CUDA tensor on a GPU of compute `capability` (what the dispatch and
-    the launch options read), while the tensors stay on this CPU."""
+def on_mocked_gpu(capability: tuple[int, int], multiprocessors: int = 132):
+    """Host code inside sees every tensor as a CUDA tensor on a GPU of compute `capability` with `multiprocessors` SMs
+    (what the dispatch and the launch options read; an H200's by default), while the tensors stay on this CPU."""
+    properties = SimpleNamespace(major=capability[0], minor=capability[1], multi_processor_count=multiprocessors)
     with (
         mock.patch("torch.cuda.get_device_capability", return_value=capability),
+        mock.patch("torch.cuda.get_device_properties", return_value=properties),
         mock.patch.object(torch.Tensor, "is_cuda", property(lambda tensor: True)),
     ):
         yield

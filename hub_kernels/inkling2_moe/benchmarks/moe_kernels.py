@@ -9,10 +9,11 @@ bytes), and the measured device-to-device copy bandwidth (bytes read + written) 
 Also: a small sweep of decode tile shapes (for NVFP4 / MXFP8 decode, whose default on Hopper is the Gluon
 register-GEMV path, the Triton kernels and other K splits next to it), and prefill (T = 2048, 8192) throughput in TFLOP/s. Alone:
 `--sweep-only` (a wider decode tile sweep), `--prefill-sweep` (prefill tile shapes at 8192 tokens next to
-`torch._grouped_mm`), `--profile` (device time of each kernel of a decode-size call).
+`torch._grouped_mm`), `--split-sweep` (the register kernels' K split, at full width and at one GPU's TP4/EP4 share),
+`--profile` (device time of each kernel of a decode-size call).
 
     python hub_kernels/inkling2_moe/benchmarks/moe_kernels.py [--out DIR] \
-        [--quick | --sweep-only | --prefill-sweep | --profile]
+        [--quick | --sweep-only | --prefill-sweep | --split-sweep | --profile]
 
 Prints a table and writes `moe_kernels_bench.md` + `.json` under --out (default $OUT, else ./).
 """
@@ -82,17 +83,17 @@ def bytes_per_expert(fmt):
     return {"bf16": 2 * n, "mxfp8": n + n // 32, "nvfp4": n // 2 + n // 16 + 12}[fmt]
 
 
-def routing(tokens, gen, experts=E):
+def routing(tokens, gen, experts=E, top_k=K):
     scores = torch.rand(tokens, experts, generator=gen, device="cuda")
     scores = scores + torch.rand(experts, generator=gen, device="cuda") * 0.2
-    w, ids = torch.topk(scores, K, dim=-1)
+    w, ids = torch.topk(scores, top_k, dim=-1)
     return ids, (w / w.sum(-1, keepdim=True)).float()
 
 
-def inputs(tokens, gen, rotations, experts=E):
+def inputs(tokens, gen, rotations, experts=E, top_k=K):
     sets = []
     for _ in range(rotations):
-        ids, rw = routing(tokens, gen, experts)
+        ids, rw = routing(tokens, gen, experts, top_k)
         x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
         sets.append((x, ids, rw, torch.empty(tokens, H, dtype=torch.bfloat16, device="cuda")))
     return sets
@@ -152,6 +153,8 @@ def main():
     parser.add_argument("--sweep-only", action="store_true", help="only the decode tile sweep (wider)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only prefill tile shapes at 8192 tokens, 16 and 384 experts, next to torch._grouped_mm")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="only the register kernels' K split at T = 1 and 8, 384 experts top-8 and 96 top-2")
     parser.add_argument("--profile", action="store_true",
                         help="only the device time of each kernel of one moe_forward at T = 1, 8, 64 (torch.profiler)")
     args = parser.parse_args()
@@ -159,6 +162,8 @@ def main():
         return wide_sweep(args)
     if args.prefill_sweep:
         return prefill_sweep(args)
+    if args.split_sweep:
+        return split_sweep(args)
     if args.profile:
         return kernel_profile()
     km = load_kernel()
@@ -297,6 +302,40 @@ def wide_sweep(args):
         w = kw = None  # free this format's weights before the next
         torch.cuda.empty_cache()
     write_output(args.out, "moe_kernels_sweep.md", "\n".join(lines))
+    print("\n".join(lines))
+
+
+def split_sweep(args):
+    """The register kernels' K split (`pick_config`'s `_register_split`) where the grid is sparse or full: T = 1 and 8
+    over Inkling-2-Small's 384 experts (top-8) and over one GPU's share at TP4/EP4 (96 experts, top-2); the default
+    next to fixed splits, NVFP4 and MXFP8."""
+    km = load_kernel()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    ceiling = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = [f"copy {ceiling:.2f} TB/s, {sms} SMs", "| fmt | experts, top-k | T | split | us | % of copy |",
+             "|---|---|---|---|---|---|"]
+    for fmt in ("nvfp4", "mxfp8"):
+        for experts, top_k in ((E, K), (E // 4, K // 4)):
+            w = make_weights(fmt, gen, experts)
+            kw = {k: v for k, v in w.items() if k not in ("w13", "w2")}
+            for tokens in (1, 8):
+                sets = inputs(tokens, gen, ROTATIONS, experts, top_k)
+                active = sum(int(torch.unique(ids).numel()) for _, ids, _, _ in sets) / len(sets)
+                nbytes = active * bytes_per_expert(fmt)
+                default = km.pick_config(tokens * top_k, experts, fmt, register_gemv=True, inter=I, multiprocessors=sms)
+                configs = [(f"default ({default.split_k})", None)]
+                configs += [(str(split), dataclasses.replace(default, split_k=split)) for split in (1, 2, 3, 6)]
+                for name, cfg in configs:
+                    ms = graph_time_ms([(lambda s=s, cfg=cfg: km.moe_forward(s[0], s[1], s[2], w["w13"], w["w2"], fmt,
+                                                                             **kw, out=s[3], config=cfg))
+                                        for s in sets])  # fmt: skip
+                    lines.append(f"| {fmt} | {experts}, {top_k} | {tokens} | {name} | {ms * 1e3:.1f} | "
+                                 f"{100 * nbytes / ms / 1e9 / ceiling:.0f}% |")
+                    print(lines[-1], flush=True)
+            w = kw = None  # free these weights before the next
+            torch.cuda.empty_cache()
+    write_output(args.out, "moe_kernels_split.md", "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -241,6 +241,22 @@ def test_pick_config_sends_only_quantized_decode_to_the_register_kernels(km):
     assert not km.pick_config(8192 * 8, 384, "nvfp4", register_gemv=True).register_gemv  # prefill
 
 
+def test_pick_config_splits_the_register_reductions_where_the_grid_leaves_sms_idle(km):
+    """One token's 2 of 96 experts (one GPU's share at TP4/EP4) make a gate/up grid of 144 programs; split 7 ways it
+    still fits one wave of an H200 (132 SMs x 8), so the reductions split (gate/up 6 of its 18 steps, down 3 of 9).
+    8 of 384 experts (576 programs) or 16 of 96 already fill the wave and stay whole."""
+    h200 = dict(register_gemv=True, inter=2304, multiprocessors=132)
+    sparse = km.pick_config(2, 96, "nvfp4", **h200)
+    assert sparse.register_gemv and sparse.split_k == 7
+    steps = (4608 // 256, 2304 // 256)  # 256-input steps of the gate/up and the down reduction
+    assert [km.ops._steps_split(n, sparse.split_k) for n in steps] == [6, 3]
+    assert km.pick_config(2, 96, "mxfp8", **h200).split_k == 7
+    assert km.pick_config(8, 384, "nvfp4", **h200).split_k == 1
+    assert km.pick_config(16, 96, "nvfp4", **h200).split_k == 1
+    assert km.pick_config(2, 96, "nvfp4", register_gemv=True).split_k == 1  # the GPU's size not given
+    assert km.pick_config(2, 96, "nvfp4", **{**h200, "multiprocessors": 264}).split_k == 14  # a GPU twice the size
+
+
 # ------------------------------------------------------------------------------------------ interpreter
 
 _INTERPRETER_SCRIPT = textwrap.dedent(
@@ -442,6 +458,26 @@ def test_gpu_register_gemv_matches_triton_and_oracle(km, fmt, tokens, split):
           f"Triton vs oracle {rel_err(triton, oracle):.2e}")
     assert rel_err(out, oracle) <= 1e-2
     assert rel_err(out, triton) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_gpu_default_config_splits_a_sparse_register_grid(km, fmt):
+    """One token over 96 experts, top-2 (one GPU's share at TP4/EP4), full-size experts: the default config splits the
+    reductions (`_register_split`), and the result matches the unsplit register kernels and the oracle."""
+    w = {name: tensor[:96] for name, tensor in full_size_weights(fmt).items()}
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    x = torch.randn(1, FULL["hidden"], generator=gen, device="cuda").bfloat16()
+    ids, rw = realistic_routing(1, 96, 2, gen, device="cuda")
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
+    picked = km.pick_config(2, 96, fmt, register_gemv=True, inter=FULL["inter"], multiprocessors=multiprocessors)
+    assert picked.split_k > 1
+    out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w))
+    assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=picked))
+    unsplit = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w),
+                             config=km.pick_config(2, 96, fmt, register_gemv=True))
+    assert rel_err(out, unsplit) <= 1e-2
+    assert rel_err(out, gpu_oracle(x, ids, rw, w, fmt)) <= 1e-2
 
 
 @pytest.mark.gpu

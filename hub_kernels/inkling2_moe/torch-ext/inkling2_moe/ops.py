@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +62,9 @@ def _register_gemv_supported(device: torch.device) -> bool:
 # 128 bytes of a weight row per step (register_kernels' STEP_BYTES and `_step_inputs`), known here without Gluon
 _REGISTER_STEP_INPUTS = {"nvfp4": 256, "mxfp8": 128}
 _REGISTER_SLOTS_PER_EXPERT = {"nvfp4": 2.0, "mxfp8": 1.5}  # up to where they beat the Triton kernels (pick_config)
+_REGISTER_GATE_UP_FEATURES = 32  # features of one gate/up program (register_kernels.FEATURES), known here without Gluon
+# of their 4-warp programs one SM holds at once: its 65,536 registers over 128 threads of 56-71 registers each
+_REGISTER_PROGRAMS_PER_SM = 8
 
 
 def _register_gemv_usable(x: torch.Tensor, fmt: str, hidden: int, inter: int) -> bool:
@@ -94,7 +97,20 @@ class KernelConfig:
 REGISTER_GEMV = KernelConfig(8, 64, 64, 256, 4, 1, register_gemv=True)
 
 
-def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool = False) -> KernelConfig:
+def _register_split(num_slots: int, num_experts: int, inter: int, multiprocessors: int) -> int:
+    """How many programs may share each reduction of the register kernels: as many as keep the gate/up grid over the
+    experts the slots are expected to reach (uniform routing) within one wave of the GPU. At few active experts (2 of
+    96 at T = 1, what one GPU of TP4/EP4 sees) the unsplit grid is one program per SM, each streaming its rows
+    alone; split, the same bytes stream in parallel: on an H200, NVFP4 47.1 -> 32.1 us, MXFP8 64.8 -> 42.4 us. Where
+    the unsplit grid already fills a wave (8 of 384 experts at T = 1), a split adds a second wave and is slower (NVFP4
+    65.7 -> 73.3-76.9 us); docs/benchmarks.md."""
+    active = num_experts * (1 - (1 - 1 / num_experts) ** num_slots)
+    programs = max(active, 1.0) * inter / _REGISTER_GATE_UP_FEATURES
+    return max(1, int(multiprocessors * _REGISTER_PROGRAMS_PER_SM // programs))
+
+
+def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool = False, *, inter: int = 0,
+                multiprocessors: int = 0) -> KernelConfig:
     """Shape from sizes only (never from the data), so the choice is graph-safe.
 
     ``register_gemv`` (the device and shapes allow `register_kernels`): NVFP4 and MXFP8 decode take those
@@ -102,6 +118,8 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
     weights again): on an H200, NVFP4 up to 2 slots per expert on average (68% / 67% of the copy bandwidth at
     T = 8 / 64 against 51% / 52% for the Triton kernels), MXFP8 up to 1.5 (61% / 75% / 75% at T = 1 / 8 / 64
     against 51% / 68-71% / 69-73%; the Triton kernels are faster from T = 96, 2 per expert); docs/benchmarks.md.
+    Given the expert width ``inter`` and the GPU's ``multiprocessors``, their reductions are split where the grid
+    would leave SMs idle (`_register_split`).
 
     Decode (few slots per expert) is weight streaming: 16-row M tiles and 128 inputs per K step; quantized
     formats take 64-wide N tiles (fewest instructions per weight byte in the SASS, and fastest in the H200
@@ -112,6 +130,8 @@ def pick_config(num_slots: int, num_experts: int, fmt: str, register_gemv: bool 
     """
     per_expert = num_slots / max(num_experts, 1)
     if register_gemv and per_expert <= _REGISTER_SLOTS_PER_EXPERT.get(fmt, 0):
+        if inter and multiprocessors:
+            return replace(REGISTER_GEMV, split_k=_register_split(num_slots, num_experts, inter, multiprocessors))
         return REGISTER_GEMV
     if per_expert <= 8:
         if fmt == "bf16":
@@ -135,45 +155,62 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _empty_routing(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """A `Routing` for these ids whose tensors the routing kernels fill (sizes from the slot count only)."""
+    slots, device = expert_ids.numel(), expert_ids.device
+    n_tiles = max_tiles(slots, num_experts, block_m)
+    int32 = dict(dtype=torch.int32, device=device)
+    return Routing(torch.empty(slots, **int32), torch.empty(slots, **int32), torch.empty(num_experts + 1, **int32),
+                   torch.empty(n_tiles, **int32), torch.empty(n_tiles, **int32), num_experts, expert_ids.shape[1],
+                   block_m)  # fmt: skip
+
+
+def _routing_launch(ids: torch.Tensor, routing: Routing) -> tuple[tuple, dict]:
+    """The arguments every routing kernel starts with (ids, the routing's tensors, slots, experts, tiles) and its
+    constexprs: NB bins (the experts, and one for the dropped slots: ids outside [0, E)), BM, TB."""
+    bins = _next_pow2(routing.num_experts + 1)
+    tensors = (routing.sorted_slots, routing.slot_position, routing.expert_offsets, routing.tile_expert,
+               routing.tile_start)  # fmt: skip
+    args = (ids, *tensors, ids.numel(), routing.num_experts, routing.tile_expert.numel())
+    return args, dict(NB=bins, BM=routing.block_m, TB=max(8, min(32, 16384 // bins)))
+
+
+def _rank_block(slots: int) -> int:
+    """Slots of one ranking program: up to `_ROUTE_BLOCK` (one program ranks every slot up to there)."""
+    return min(_ROUTE_BLOCK, max(16, _next_pow2(slots)))
+
+
 def _route_triton(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     """`route` on CUDA. Up to `_RANK_ROUTE_SLOTS` slots, each slot's rank among its expert's slots is counted pairwise:
     one launch when one program holds every slot, else a second that lays out the tiles. Beyond, per-chunk
     histograms, one scan and a scatter. Grids depend on the slot count only."""
     kernels = _kernels()
     ids = expert_ids.contiguous()
-    top_k = ids.shape[1]
     slots = ids.numel()
-    device = ids.device
-    bins = _next_pow2(num_experts + 1)  # the experts, and one bin for the dropped slots (ids outside [0, E))
-    n_tiles = max_tiles(slots, num_experts, block_m)
-    sorted_slots = torch.empty(slots, dtype=torch.int32, device=device)
-    position = torch.empty(slots, dtype=torch.int32, device=device)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=device)
-    tile_start = torch.empty(n_tiles, dtype=torch.int32, device=device)
-    tile_block = max(8, min(32, 16384 // bins))
+    routing = _empty_routing(ids, num_experts, block_m)
+    args, sizes = _routing_launch(ids, routing)
+    bins, n_tiles = sizes["NB"], routing.tile_expert.numel()
     if slots <= _RANK_ROUTE_SLOTS:
-        rank_block = min(_ROUTE_BLOCK, max(16, _next_pow2(slots)))
+        rank_block = _rank_block(slots)
         programs = _next_pow2(_cdiv(slots, rank_block))  # each also counts the offsets of bins / programs experts
-        kernels._route_rank_kernel[(programs,)](ids, sorted_slots, position, offsets, tile_expert, tile_start, slots,
-                                                num_experts, n_tiles, RB=rank_block, NB=bins,
-                                                NBP=max(1, bins // programs), TILES=programs == 1, BM=block_m,
-                                                TB=tile_block, num_warps=4)  # fmt: skip
+        kernels._route_rank_kernel[(programs,)](*args, RB=rank_block, NBP=max(1, bins // programs),
+                                                TILES=programs == 1, **sizes, num_warps=4)  # fmt: skip
         if programs > 1:
-            kernels._route_tiles_kernel[(1,)](offsets, tile_expert, tile_start, num_experts, n_tiles, BM=block_m,
-                                              NB=bins, TB=tile_block, num_warps=4)  # fmt: skip
+            kernels._route_tiles_kernel[(1,)](routing.expert_offsets, routing.tile_expert, routing.tile_start,
+                                              num_experts, n_tiles, **sizes, num_warps=4)  # fmt: skip
     else:
         chunks = _cdiv(slots, _ROUTE_CHUNK)
-        histogram = torch.empty(chunks, bins, dtype=torch.int32, device=device)
-        chunk_base = torch.empty(chunks, bins, dtype=torch.int32, device=device)
+        histogram = torch.empty(chunks, bins, dtype=torch.int32, device=ids.device)
+        chunk_base = torch.empty(chunks, bins, dtype=torch.int32, device=ids.device)
         kernels._route_hist_kernel[(chunks,)](ids, histogram, slots, num_experts, CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK,
                                               NB=bins, num_warps=4)  # fmt: skip
-        kernels._route_scan_kernel[(1,)](histogram, chunk_base, offsets, tile_expert, tile_start, chunks, num_experts,
-                                         n_tiles, BM=block_m, NB=bins, TB=tile_block, num_warps=4)  # fmt: skip
-        kernels._route_scatter_kernel[(chunks,)](ids, chunk_base, offsets, sorted_slots, position, slots,
-                                                 num_experts, CHUNK=_ROUTE_CHUNK, B=_ROUTE_BLOCK, NB=bins,
-                                                 num_warps=4)  # fmt: skip
-    return Routing(sorted_slots, position, offsets, tile_expert, tile_start, num_experts, top_k, block_m)
+        kernels._route_scan_kernel[(1,)](histogram, chunk_base, routing.expert_offsets, routing.tile_expert,
+                                         routing.tile_start, chunks, num_experts, n_tiles, **sizes,
+                                         num_warps=4)  # fmt: skip
+        kernels._route_scatter_kernel[(chunks,)](ids, chunk_base, routing.expert_offsets, routing.sorted_slots,
+                                                 routing.slot_position, slots, num_experts, CHUNK=_ROUTE_CHUNK,
+                                                 B=_ROUTE_BLOCK, NB=bins, num_warps=4)  # fmt: skip
+    return routing
 
 
 def route(expert_ids: torch.Tensor, num_experts: int, block_m: int = 16) -> Routing:
@@ -287,21 +324,35 @@ def _kernel_weights(fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, plac
                           _as_bytes(w2_scale, down).contiguous(), gate_up_outer, down_outer)  # fmt: skip
 
 
-def _gate_up_inputs(x, problem: _Problem, placeholder):
-    """(what the gate/up GEMM reads, its per-token scale, the [slots, I] buffer its SwiGLU output goes to). NVFP4 and
-    the register kernels multiply in f16: each token scaled by a power of two into f16 range (NVFP4: its inputs
-    de-interleaved, see the kernels), one launch; the others read the bf16 x as it is."""
+def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config, placeholder):
+    """(the routing, unless one is given; what the gate/up GEMM reads; its per-token scale; the [slots, I] buffer its
+    SwiGLU output goes to). NVFP4 and the register kernels multiply in f16: each token scaled by a power of two into
+    f16 range (NVFP4: its inputs de-interleaved, see the kernels). Where one program ranks every slot (decode steps)
+    that conversion and the routing share one launch; the other formats read the bf16 x as it is."""
+    tokens, hidden = x.shape
+    slots = expert_ids.numel()
+    if not (fmt == "nvfp4" or config.register_gemv):
+        if routing is None:
+            routing = _route_triton(expert_ids, num_experts, config.block_m)
+        return routing, x, placeholder, torch.empty(slots, inter, dtype=torch.bfloat16, device=x.device)
     kernels = _kernels()
-    if problem.fmt == "nvfp4" or problem.config.register_gemv:
-        x_in = torch.empty(problem.tokens, problem.hidden, dtype=torch.float16, device=x.device)
-        x_scale = torch.empty(problem.tokens, dtype=torch.float32, device=x.device)
-        row = _next_pow2(problem.hidden)
-        kernels._x_to_f16_kernel[(problem.tokens,)](x, x.stride(0), x_in, x_scale, problem.hidden,
-                                                    DEINTERLEAVE=problem.fmt == "nvfp4", BLOCK=row,
-                                                    num_warps=max(4, min(16, row // 1024)))  # fmt: skip
-        # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
-        return x_in, x_scale, torch.empty(problem.slots, problem.inter, dtype=torch.float16, device=x.device)
-    return x, placeholder, torch.empty(problem.slots, problem.inter, dtype=torch.bfloat16, device=x.device)
+    x_in = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
+    x_scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    row = _next_pow2(hidden)
+    conversion = dict(DEINTERLEAVE=fmt == "nvfp4", BLOCK=row, num_warps=max(4, min(16, row // 1024)))
+    # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
+    act = torch.empty(slots, inter, dtype=torch.float16, device=x.device)
+    if routing is None and slots <= _ROUTE_BLOCK:
+        ids = expert_ids.contiguous()
+        routing = _empty_routing(ids, num_experts, config.block_m)
+        args, sizes = _routing_launch(ids, routing)
+        kernels._route_and_convert_kernel[(1 + tokens,)](*args, x, x.stride(0), x_in, x_scale, hidden,
+                                                         RB=_rank_block(slots), **sizes, **conversion)  # fmt: skip
+        return routing, x_in, x_scale, act
+    if routing is None:
+        routing = _route_triton(expert_ids, num_experts, config.block_m)
+    kernels._x_to_f16_kernel[(tokens,)](x, x.stride(0), x_in, x_scale, hidden, **conversion)
+    return routing, x_in, x_scale, act
 
 
 def _splits(problem: _Problem) -> tuple[int, int]:
@@ -367,14 +418,15 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     if x.shape != (tokens, hidden):
         raise ValueError(f"x must be [{tokens}, {hidden}], got {tuple(x.shape)}")
     register_gemv = _register_gemv_usable(x, fmt, hidden, inter)
-    config = config or pick_config(tokens * top_k, num_experts, fmt, register_gemv)
+    if config is None:
+        multiprocessors = torch.cuda.get_device_properties(x.device).multi_processor_count if register_gemv else 0
+        config = pick_config(tokens * top_k, num_experts, fmt, register_gemv, inter=inter,
+                             multiprocessors=multiprocessors)  # fmt: skip
     if config.register_gemv and not register_gemv:
         raise ValueError("register_gemv needs NVFP4 (MXFP8) experts with H and I multiples of 256 (128) on a CUDA "
                          "GPU of compute capability >= 8.9 and a Triton with Gluon; leave config=None to let "
                          "pick_config choose")
-    if routing is None:
-        routing = _route_triton(expert_ids, num_experts, config.block_m)
-    elif routing.block_m != config.block_m:
+    if routing is not None and routing.block_m != config.block_m:
         raise ValueError(f"routing was built for block_m={routing.block_m}, the kernels use {config.block_m}")
     if out is None:
         out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
@@ -382,13 +434,14 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
         raise ValueError(f"out must be a bf16 [{tokens}, {hidden}] tensor with unit column stride")
     if tokens == 0:
         return out
-    problem = _Problem(tokens, top_k, hidden, inter, num_experts, fmt, config, routing)
     x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
     slot_weights = routing_weights.reshape(-1).float().contiguous()  # also the placeholder of unused arguments
     weights = _kernel_weights(fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, slot_weights)
-    x_in, x_scale, act = _gate_up_inputs(x, problem, slot_weights)
+    routing, x_in, x_scale, act = _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
+                                                      slot_weights)  # fmt: skip
+    problem = _Problem(tokens, top_k, hidden, inter, num_experts, fmt, config, routing)
     split_gate_up, split_down = _splits(problem)
     partial = torch.empty(split_gate_up if split_gate_up > 1 else 0, problem.slots, 2 * inter, dtype=torch.float32,
                           device=x.device)  # fmt: skip

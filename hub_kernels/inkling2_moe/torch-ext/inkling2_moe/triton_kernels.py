@@ -4,7 +4,8 @@ refuses `triton` as a declared Python dependency.
 Routing (no host sync, sizes bounded by the slot count):
   decode sizes: programs rank blocks of slots against all slots (a stable counting sort without a histogram:
           position = #smaller keys + #earlier equal keys) and count the offsets of a share of the experts;
-          then one program writes the tile list from the offsets;
+          then one program writes the tile list from the offsets (up to 64 slots one program does it all, and
+          where x goes to f16 the same launch converts it: `_route_and_convert_kernel`);
   large:  per-chunk histograms -> one program scans them (chunk bases, offsets, tiles) -> per-chunk scatter.
 Experts:
   _gate_up_kernel  grid (tiles, cdiv(I, BN)): x rows gathered by token, gate and up rows of the same
@@ -97,15 +98,12 @@ def _offsets_and_tiles(counts, offsets_ptr, tile_expert_ptr, tile_start_ptr, num
 
 
 @triton.jit
-def _route_rank_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
-                       num_experts, n_tiles, RB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-                       TILES: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
-    """grid (G,): program p sorts slots [p*RB, p*RB + RB) to their positions (#slots with a smaller key + #earlier
-    slots with the same key: stable) and writes expert_offsets of experts [p*NBP, p*NBP + NBP) (#slots with a
-    smaller key). O(slots^2) compares, spread over the programs: cheaper than histograms at decode sizes.
-    TILES (one program, which then sees every slot and expert): also the tile list, which otherwise takes a second
-    launch (`_route_tiles_kernel`), on the path of every decode step."""
-    p = tl.program_id(0)
+def _rank_slots(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
+                num_experts, n_tiles, p, RB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, TILES: tl.constexpr,
+                BM: tl.constexpr, TB: tl.constexpr):
+    """Program p of the ranking: sorts slots [p*RB, p*RB + RB) to their positions (#slots with a smaller key +
+    #earlier slots with the same key: stable) and writes expert_offsets of experts [p*NBP, p*NBP + NBP) (#slots with
+    a smaller key). TILES (one program, which then sees every slot and expert): also the tile list."""
     offs_i, inb_i, key_i = _slot_keys(ids_ptr, p * RB, num_slots, num_experts, RB, NB)
     bins = p * NBP + tl.arange(0, NBP)
     position = tl.zeros((RB,), dtype=tl.int32)
@@ -123,6 +121,17 @@ def _route_rank_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expe
     tl.store(offsets_ptr + bins, below, mask=bins <= num_experts)
     if TILES:
         _write_tiles(below, counts, tile_expert_ptr, tile_start_ptr, num_experts, n_tiles, BM, NB, TB)
+
+
+@triton.jit
+def _route_rank_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
+                       num_experts, n_tiles, RB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+                       TILES: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
+    """grid (G,): `_rank_slots` of program p. O(slots^2) compares, spread over the programs: cheaper than histograms
+    at decode sizes. With TILES (G = 1) the tile list too, which otherwise takes a second launch
+    (`_route_tiles_kernel`), on the path of every decode step."""
+    _rank_slots(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
+                num_experts, n_tiles, tl.program_id(0), RB, NB, NBP, TILES, BM, TB)
 
 
 @triton.jit
@@ -319,12 +328,11 @@ def _deinterleaved(k, half):
 
 
 @triton.jit
-def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, DEINTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+def _x_row_to_f16(x_ptr, stride_xt, x16_ptr, xs_ptr, H, t, DEINTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
     """Input of the f16 MMAs (NVFP4, and MXFP8 in the register kernels): row t of x times 2**-p_t as f16
     (NVFP4: de-interleaved, [even inputs | odd inputs]), with p_t = the smallest power that keeps the row under
     2**15 (0 for ordinary activations, where bf16 -> f16 is exact); xs[t] = 2**p_t undoes it in the epilogue.
-    BLOCK >= H: the row is read once, into registers (one load latency; at T = 1 this launch is on the path)."""
-    t = tl.program_id(0)
+    BLOCK >= H: the row is read once, into registers (one load latency)."""
     cols = tl.arange(0, BLOCK)
     v = tl.load(x_ptr + t * stride_xt + cols, mask=cols < H, other=0.0).to(tl.float32)
     biased = (tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2**(biased - 126)
@@ -333,6 +341,28 @@ def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, DEINTERLEAVE: tl.cons
     dst = x16_ptr + t * H + (_deinterleaved(cols, H // 2) if DEINTERLEAVE else cols)
     tl.store(dst, (v * down).to(tl.float16), mask=cols < H)
     tl.store(xs_ptr + t, ((127 + p) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, DEINTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """grid (T,): `_x_row_to_f16` of each token."""
+    _x_row_to_f16(x_ptr, stride_xt, x16_ptr, xs_ptr, H, tl.program_id(0), DEINTERLEAVE, BLOCK)
+
+
+@triton.jit
+def _route_and_convert_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
+                              num_slots, num_experts, n_tiles, x_ptr, stride_xt, x16_ptr, xs_ptr, H,
+                              RB: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr,
+                              DEINTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """grid (1 + T,): at decode sizes, program 0 routes every slot (`_rank_slots` as one program, tile list
+    included) and program 1 + t converts token t (`_x_row_to_f16`): two independent steps that each took a launch on
+    the path of every decode step, in one."""
+    p = tl.program_id(0)
+    if p == 0:
+        _rank_slots(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
+                    num_experts, n_tiles, 0, RB, NB, NB, True, BM, TB)
+    else:
+        _x_row_to_f16(x_ptr, stride_xt, x16_ptr, xs_ptr, H, p - 1, DEINTERLEAVE, BLOCK)
 
 
 @triton.jit

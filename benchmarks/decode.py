@@ -22,14 +22,20 @@
    `nvfp4`, `mxfp8` (384 experts, top-8, as in the checkpoint), `bf16` (128 BF16 experts, top-8: 384 do not fit
    six times) and `tp4-nvfp4` / `tp4-mxfp8` / `tp4-bf16`: what one GPU computes per layer at TP4/EP4 (12 q / 2 kv
    heads, 96 of the 384 experts, of which top-2 on average; hidden 4608).
+4. `--readout` (instead of 1 to 3): the step's readout at the full vocabulary (201,024 rows of 4,608), at the
+   `--batches`: the lm_head alone (`F.linear`, cuBLAS) and the model's readout (final RMS norm, `compute_logits`:
+   lm_head in fp32, softcap, the real vocabulary), eager and `torch.compile`d, each replayed from a CUDA graph; the
+   lm_head's bytes over the time as % of the copy bandwidth (the roofline issue's target: at least 80%).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
     python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
     python3 benchmarks/decode.py --per-layer nvfp4 tp4-nvfp4 [--context 2048] [--out DIR]
+    python3 benchmarks/decode.py --readout [--batches 1 8 64] [--out DIR]
 
 Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./); with
-`--per-layer`, `decode_per_layer.md` (+ `.json`), rewritten after each variant.
+`--per-layer`, `decode_per_layer.md` (+ `.json`), rewritten after each variant; with `--readout`, `readout.md` (+
+`.json`).
 """
 
 from __future__ import annotations
@@ -381,6 +387,45 @@ def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) ->
     return "\n".join(text)
 
 
+READOUT_CALLS = 4  # calls per graph: the 1.85 GB weight is read afresh by each (it does not fit the L2)
+
+
+def readout_benchmark(args) -> list[dict]:
+    """The readout at the full vocabulary: the lm_head alone and the model's readout, eager and compiled."""
+    from transformers_inkling2 import Inkling2TextConfig
+    from transformers_inkling2.configuration_inkling2 import SLIDING_LAYER
+
+    bandwidth = copy_bandwidth_gb_s()
+    # the default (full) vocabulary and one small layer, which the readout does not run
+    model = random_slice(Inkling2TextConfig(num_hidden_layers=1, layer_types=[SLIDING_LAYER], n_routed_experts=8,
+                                            eos_token_id=None))  # fmt: skip
+    weight = model.lm_head.weight
+    read = weight.numel() * weight.element_size()
+
+    def readout(hidden):  # what the step runs after the last layer: the final norm, then compute_logits
+        return model.compute_logits(model.model.norm(hidden).to(weight.dtype), 1)
+
+    compiled = torch.compile(readout)
+    rows, generator = [], torch.Generator(device=DEVICE).manual_seed(0)
+    for batch in args.batches:
+        hidden = torch.randn(batch, 1, weight.shape[1], device=DEVICE, generator=generator)
+        variants = {"lm_head (F.linear)": lambda: F.linear(hidden.to(weight.dtype), weight),
+                    "readout, eager": lambda: readout(hidden), "readout, torch.compile": lambda: compiled(hidden)}
+        with torch.no_grad():
+            for name, fn in variants.items():
+                ms = graph_ms(fn, repeats=args.steps, calls=READOUT_CALLS)
+                rows.append(dict(batch=batch, path=name, ms=ms, share=read / ms / 1e6 / bandwidth))
+                print(rows[-1], flush=True)
+    text = [f"# The readout at the full vocabulary\n\n{environment()}; command: `python3 benchmarks/decode.py "
+            f"--readout --batches {' '.join(map(str, args.batches))}`; copy bandwidth {bandwidth:.0f} GB/s\n",
+            f"lm_head {tuple(weight.shape)} bf16, {read / 1e9:.2f} GB; % = those bytes over the time, of the copy "
+            "bandwidth.\n",
+            markdown_table(["batch", "path", "ms", "% of copy"],
+                           [[r["batch"], r["path"], fmt(r["ms"], ".3f"), fmt(100 * r["share"], ".0f")] for r in rows])]
+    write_report(args.out, "readout", "\n".join(text), dict(rows=rows, bandwidth_gb_s=bandwidth, args=vars(args)))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -399,6 +444,7 @@ def main():
     parser.add_argument("--per-layer", nargs="+", choices=PER_LAYER_VARIANTS,
                         help="part 3 only: one layer's cost per variant (the context defaults to 2048 here)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="rows per step (default 1 8 64)")
+    parser.add_argument("--readout", action="store_true", help="part 4 only: the readout at the full vocabulary")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")
@@ -410,6 +456,9 @@ def main():
     if args.per_layer:
         args.steps = max(args.steps, 20)
         per_layer_benchmark(args)
+        return
+    if args.readout:
+        readout_benchmark(args)
         return
     started = time.time()
 

@@ -255,6 +255,7 @@ def test_pick_config_splits_the_register_reductions_where_the_grid_leaves_sms_id
     assert km.pick_config(16, 96, "nvfp4", **h200).split_k == 1
     assert km.pick_config(2, 96, "nvfp4", register_gemv=True).split_k == 1  # the GPU's size not given
     assert km.pick_config(2, 96, "nvfp4", **{**h200, "multiprocessors": 264}).split_k == 14  # a GPU twice the size
+    assert km.pick_config(0, 0, "nvfp4", **h200).register_gemv  # no slots, no experts: still a valid config
 
 
 # ------------------------------------------------------------------------------------------ interpreter

@@ -104,7 +104,8 @@ def _register_split(num_slots: int, num_experts: int, inter: int, multiprocessor
     alone; split, the same bytes stream in parallel: on an H200, NVFP4 47.1 -> 32.1 us, MXFP8 64.8 -> 42.4 us. Where
     the unsplit grid already fills a wave (8 of 384 experts at T = 1), a split adds a second wave and is slower (NVFP4
     65.7 -> 73.3-76.9 us); docs/benchmarks.md."""
-    active = num_experts * (1 - (1 - 1 / num_experts) ** num_slots)
+    experts = max(num_experts, 1)  # (no experts at all still gets a valid split)
+    active = experts * (1 - (1 - 1 / experts) ** num_slots)
     programs = max(active, 1.0) * inter / _REGISTER_GATE_UP_FEATURES
     return max(1, int(multiprocessors * _REGISTER_PROGRAMS_PER_SM // programs))
 

@@ -118,8 +118,7 @@ def top_k_routing(
         x, weight, partial, rows, experts, width, ROWS=triton.next_power_of_2(rows), BLOCK_E=BLOCK_E, SLICE=SLICE,
         PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    # 4 warps: in a full-width layer 4.5 us against one warp's 5.4 (H200, `benchmarks/decode.py --per-layer`; 2 and 8
-    # warps were in between), the same picks
+    # 4 warps: the fastest of 1, 2, 4 and 8 (docs/kernels.md, "A decode step's small kernels")
     _top_k_kernel[(rows,)](
         partial, bias, logits, weights, chosen, rows, experts, route_scale, SLICES=slices, TOP_K=top_k,
         BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_ALL=triton.next_power_of_2(experts), PDL=pdl, num_warps=4,

@@ -100,10 +100,9 @@ REGISTER_GEMV = KernelConfig(8, 64, 64, 256, 4, 1, register_gemv=True)
 def _register_split(num_slots: int, num_experts: int, inter: int, multiprocessors: int) -> int:
     """How many programs may share each reduction of the register kernels: as many as keep the gate/up grid over the
     experts the slots are expected to reach (uniform routing) within one wave of the GPU. At few active experts (2 of
-    96 at T = 1, what one GPU of TP4/EP4 sees) the unsplit grid is one program per SM, each streaming its rows
-    alone; split, the same bytes stream in parallel: on an H200, NVFP4 47.1 -> 32.1 us, MXFP8 64.8 -> 42.4 us. Where
-    the unsplit grid already fills a wave (8 of 384 experts at T = 1), a split adds a second wave and is slower (NVFP4
-    65.7 -> 73.3-76.9 us); docs/benchmarks.md."""
+    96 at T = 1, what one GPU of TP4/EP4 sees) the unsplit grid is one program per SM, each streaming its rows alone;
+    split, the same bytes stream in parallel. Where the unsplit grid already fills a wave (8 of 384 experts at T = 1),
+    a split only adds a second wave (docs/benchmarks.md, "Decode: a split reduction where the grid is sparse")."""
     experts = max(num_experts, 1)  # (no experts at all still gets a valid split)
     active = experts * (1 - (1 - 1 / experts) ** num_slots)
     programs = max(active, 1.0) * inter / _REGISTER_GATE_UP_FEATURES

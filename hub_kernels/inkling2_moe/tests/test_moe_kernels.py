@@ -285,6 +285,21 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             torch.equal(getattr(a, f), getattr(b, f))
             for f in ("sorted_slots", "slot_position", "expert_offsets", "tile_expert", "tile_start"))
 
+    # a decode-size NVFP4 call routes and converts x in one launch (`_route_and_convert_kernel`): the same routing as
+    # the reference, the same f16 rows and scales as the conversion kernel alone (token 2 beyond f16 range)
+    x = (torch.randn(5, 256, generator=gen) * torch.tensor([1.0, 1.0, 2.0**20, 1.0, 1.0])[:, None]).bfloat16()
+    ids, _ = t.realistic_routing(5, 16, 4, gen)
+    ids[1, 2] = -1
+    cfg = km.pick_config(ids.numel(), 16, "nvfp4")
+    routing, x_in, x_scale, _ = ops._routing_and_inputs(x, ids, None, 16, 64, "nvfp4", cfg, x)
+    a = km.route_reference(ids, 16, cfg.block_m)
+    x16, xs = torch.empty(5, 256, dtype=torch.float16), torch.empty(5)
+    ops._kernels()._x_to_f16_kernel[(5,)](x, x.stride(0), x16, xs, 256, DEINTERLEAVE=True, BLOCK=256)
+    results["route and convert in one launch"] = (
+        all(torch.equal(getattr(a, f), getattr(routing, f))
+            for f in ("sorted_slots", "slot_position", "expert_offsets", "tile_expert", "tile_start"))
+        and torch.equal(x_in, x16) and torch.equal(x_scale, xs) and bool(xs[2] > 1))
+
     def trunc_bf16(v):  # the interpreter casts fp32 -> bf16 by truncation
         return (v.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
 

@@ -331,28 +331,27 @@ def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
     that conversion and the routing share one launch; the other formats read the bf16 x as it is."""
     tokens, hidden = x.shape
     slots = expert_ids.numel()
-    if not (fmt == "nvfp4" or config.register_gemv):
-        if routing is None:
-            routing = _route_triton(expert_ids, num_experts, config.block_m)
+    f16_input = fmt == "nvfp4" or config.register_gemv
+    fused = routing is None and f16_input and slots <= _ROUTE_BLOCK
+    if routing is None and not fused:
+        routing = _route_triton(expert_ids, num_experts, config.block_m)
+    if not f16_input:
         return routing, x, placeholder, torch.empty(slots, inter, dtype=torch.bfloat16, device=x.device)
     kernels = _kernels()
     x_in = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
     x_scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
     row = _next_pow2(hidden)
     conversion = dict(DEINTERLEAVE=fmt == "nvfp4", BLOCK=row, num_warps=max(4, min(16, row // 1024)))
-    # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
-    act = torch.empty(slots, inter, dtype=torch.float16, device=x.device)
-    if routing is None and slots <= _ROUTE_BLOCK:
+    if fused:
         ids = expert_ids.contiguous()
         routing = _empty_routing(ids, num_experts, config.block_m)
         args, sizes = _routing_launch(ids, routing)
         kernels._route_and_convert_kernel[(1 + tokens,)](*args, x, x.stride(0), x_in, x_scale, hidden,
                                                          RB=_rank_block(slots), **sizes, **conversion)  # fmt: skip
-        return routing, x_in, x_scale, act
-    if routing is None:
-        routing = _route_triton(expert_ids, num_experts, config.block_m)
-    kernels._x_to_f16_kernel[(tokens,)](x, x.stride(0), x_in, x_scale, hidden, **conversion)
-    return routing, x_in, x_scale, act
+    else:
+        kernels._x_to_f16_kernel[(tokens,)](x, x.stride(0), x_in, x_scale, hidden, **conversion)
+    # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
+    return routing, x_in, x_scale, torch.empty(slots, inter, dtype=torch.float16, device=x.device)
 
 
 def _splits(problem: _Problem) -> tuple[int, int]:

@@ -32,6 +32,10 @@
     python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
     python3 benchmarks/decode.py --per-layer nvfp4 tp4-nvfp4 [--context 2048] [--out DIR]
     python3 benchmarks/decode.py --readout [--batches 1 8 64] [--out DIR]
+    python3 benchmarks/decode.py --per-layer nvfp4 --batches 1 --inductor-config combo_kernels=True
+
+`--inductor-config KEY=VALUE ...` sets `torch._inductor.config` entries (dotted keys reach its sub-configs; True /
+False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps.
 
 Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./); with
 `--per-layer`, `decode_per_layer.md` (+ `.json`), rewritten after each variant; with `--readout`, `readout.md` (+
@@ -375,8 +379,9 @@ def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) ->
           fmt(None if "error" in r else 100 * r["roofline_share"], ".0f")] for r in rows],
     )  # fmt: skip
     batches = " ".join(map(str, args.batches))
+    inductor = f" --inductor-config {' '.join(args.inductor_config)}" if args.inductor_config else ""
     text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "
-            f"--per-layer {' '.join(args.per_layer)} --context {args.context} --batches {batches}`; "
+            f"--per-layer {' '.join(args.per_layer)} --context {args.context} --batches {batches}{inductor}`; "
             f"copy bandwidth {bandwidth:.0f} GB/s\n",
             "Per layer: the slope between a 2- and a 6-layer slice (step at 6 layers minus step at 2, over 4), "
             f"{args.context} tokens of context per row, static cache, `torch.compile` inside CUDA graphs.\n", table]
@@ -426,6 +431,25 @@ def readout_benchmark(args) -> list[dict]:
     return rows
 
 
+def set_inductor_config(items: list[str]) -> None:
+    """Sets `torch._inductor.config` entries given as KEY=VALUE (dotted keys for its sub-configs, e.g.
+    triton.enable_pdl=False); an unknown key is an error rather than a silently ignored switch."""
+    import torch._inductor.config as inductor_config
+
+    for item in items:
+        key, separator, text = item.partition("=")
+        if not separator:
+            sys.exit(f"--inductor-config takes KEY=VALUE, got {item!r}")
+        *parents, name = key.split(".")
+        owner = inductor_config
+        for parent in parents:
+            owner = getattr(owner, parent)
+        if not hasattr(owner, name):
+            sys.exit(f"torch._inductor.config has no {key!r}")
+        value = {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+        setattr(owner, name, value)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -445,7 +469,10 @@ def main():
                         help="part 3 only: one layer's cost per variant (the context defaults to 2048 here)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="rows per step (default 1 8 64)")
     parser.add_argument("--readout", action="store_true", help="part 4 only: the readout at the full vocabulary")
+    parser.add_argument("--inductor-config", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config entries to set first, e.g. combo_kernels=True")
     args = parser.parse_args()
+    set_inductor_config(args.inductor_config)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")
     if args.context is None:

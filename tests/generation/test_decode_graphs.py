@@ -15,6 +15,7 @@ from inkling2_helpers import (
 )
 
 from transformers_inkling2 import Inkling2Cache, Inkling2DecodeGraphs, Inkling2StaticCache
+from transformers_inkling2.generation import decode_graphs
 from transformers_inkling2.generation.decode_graphs import attend_bucket
 
 
@@ -58,6 +59,26 @@ def test_cuda_graph_replays_equal_eager_steps():
     assert captured and all(step.graph is not None for step in captured.values())
     assert {key[0] for key in captured} == {32, 64}
     assert torch.equal(generate(use_cuda_graphs=True, dspark=True), generate(use_cuda_graphs=False, dspark=True))
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (None, {"triton.enable_pdl": True}),
+        ({"combo_kernels": True}, {"triton.enable_pdl": True, "combo_kernels": True}),
+        ({"triton.enable_pdl": False}, {"triton.enable_pdl": False}),
+    ],
+)
+def test_compile_config_options_reach_torch_compile_over_pdl(monkeypatch, options, expected):
+    """A `CompileConfig`'s inductor options (e.g. combo_kernels, docs/attention.md) reach `torch.compile` next to the
+    PDL switch the runner adds, and win over it; the default mode "reduce-overhead" leaves no cudagraph option."""
+    from transformers import CompileConfig
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    monkeypatch.setattr(decode_graphs.dependent_launch, "inductor_options", lambda: {"triton.enable_pdl": True})
+    decode_graphs.compiled_step(torch.nn.Linear(2, 2), CompileConfig(options=options))
+    assert calls == [dict(fullgraph=False, dynamic=False, backend="inductor", options=expected)]
 
 
 def test_compiled_steps_trace_whole_and_once():

@@ -115,13 +115,18 @@ def timing_table(results: list[dict]) -> str:
     return markdown_table(["shape", "rows", "path", "us", "% of copy bandwidth"], cells)
 
 
+# the package's environment switches that change what a step runs; a report names those that are set
+SWITCHES = ("INKLING2_DEPENDENT_LAUNCH", "INKLING2_FUSED_ATTENTION_STEP")
+
+
 def environment() -> str:
     props = torch.cuda.get_device_properties(0)
     import transformers
 
+    switches = "".join(f", {name}={os.environ[name]}" for name in SWITCHES if name in os.environ)
     return (
         f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+        f"{transformers.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC{switches}"
     )
 
 

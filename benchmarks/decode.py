@@ -34,6 +34,13 @@
     python3 benchmarks/decode.py --readout [--batches 1 8 64] [--out DIR]
     python3 benchmarks/decode.py --per-layer nvfp4 --batches 1 --inductor-config combo_kernels=True
 
+`--compare SETTING ...` (with `--per-layer`, instead of the slope): one decode step of each variant's 6-layer slice
+captured once per setting and the captures timed in interleaved rounds (a change of a few launches is smaller than
+the slope's run-to-run spread). A setting is `base` (as the package runs), `NAME=VALUE` in capitals (an environment
+switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that capture's steps run) or `key=value` (an inductor
+option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=True`). Reports step ms (median, range over
+the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting; `decode_compare.md`.
+
 `--inductor-config KEY=VALUE ...` sets `torch._inductor.config` entries (dotted keys reach its sub-configs; True /
 False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps.
 
@@ -45,8 +52,10 @@ Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (def
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -370,6 +379,90 @@ def per_layer_benchmark(args) -> list[dict]:
     return rows
 
 
+COMPARE_ROUNDS = 8
+
+
+def parsed_value(text: str):
+    """True / False, an integer, or the text."""
+    return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+
+
+@contextlib.contextmanager
+def environment_set(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def compared_step(model, batch: int, context: int, setting: str):
+    """(step, first logits): one decode step of `model` captured under `setting` (see `--compare`); an environment
+    switch stays set during every call of the step, so that a capture the runner makes later sees it too."""
+    from transformers import CompileConfig
+
+    from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
+
+    name, _, value = setting.partition("=")
+    environment_switch = setting != "base" and name.isupper()
+    options = {} if setting == "base" or environment_switch else {name: parsed_value(value)}
+    # room for every round's steps without a new bucket (a new capture) for the full layers
+    cache = Inkling2StaticCache(model.config, context + 1024, batch)
+    generator = torch.Generator(device=DEVICE).manual_seed(batch)
+    ids = torch.randint(0, 8000, (batch, context), device=DEVICE, generator=generator)
+    runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig(options=options or None))
+
+    def step():
+        with environment_set(name, value) if environment_switch else contextlib.nullcontext():
+            return runner(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    torch._dynamo.reset()  # dynamo does not guard on the environment: this setting traces the step afresh
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        first = step().logits.float()
+    return step, first
+
+
+def compare_benchmark(args) -> list[dict]:
+    rows = []
+    for variant in args.per_layer:
+        model = random_slice(layer_slice_config(variant, LAYERS))
+        for batch in args.batches:
+            steps = {setting: compared_step(model, batch, args.context, setting) for setting in args.compare}
+            times = {setting: [] for setting in steps}
+            with torch.no_grad():
+                for _ in range(COMPARE_ROUNDS):
+                    for setting, (step, _) in steps.items():
+                        times[setting].append(cuda_ms(step, warmup=3, repeats=args.steps))
+                reference = next(iter(steps.values()))[1]
+                for setting, (step, first) in steps.items():
+                    kernels, gpu_ms, _ = profiled_kernels(step)
+                    difference = ((first - reference).norm() / reference.norm()).item()
+                    rows.append(dict(variant=variant, batch=batch, setting=setting, ms=statistics.median(
+                        times[setting]), low=min(times[setting]), high=max(times[setting]), kernels=kernels,
+                        gpu_ms=gpu_ms, difference=difference))  # fmt: skip
+                    print(rows[-1], flush=True)
+            del steps
+            free_memory()
+        del model
+        free_memory()
+        table = markdown_table(
+            ["layer", "batch", "setting", "step ms (median)", "range", "kernels", "GPU busy ms", "logits vs first"],
+            [[r["variant"], r["batch"], r["setting"], fmt(r["ms"], ".3f"), f"{r['low']:.3f}-{r['high']:.3f}",
+              fmt(r["kernels"], ".1f"), fmt(r["gpu_ms"], ".3f"), fmt(r["difference"], ".1e")] for r in rows],
+        )  # fmt: skip
+        text = (f"# Decode steps of a {LAYERS}-layer slice under several settings\n\n{environment()}; command: "
+                f"`python3 benchmarks/decode.py --per-layer {' '.join(args.per_layer)} --batches "
+                f"{' '.join(map(str, args.batches))} --context {args.context} --compare {' '.join(args.compare)}`; "
+                f"{COMPARE_ROUNDS} interleaved rounds of {args.steps} replays per setting\n\n{table}")
+        write_report(args.out, "decode_compare", text, dict(rows=rows, args=vars(args)))
+    return rows
+
+
 def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) -> str:
     table = markdown_table(
         ["layer", "batch", "kernels", "MB read", "ms", "GPU busy ms", "roofline ms", "% of roofline"],
@@ -446,8 +539,7 @@ def set_inductor_config(items: list[str]) -> None:
             owner = getattr(owner, parent)
         if not hasattr(owner, name):
             sys.exit(f"torch._inductor.config has no {key!r}")
-        value = {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
-        setattr(owner, name, value)
+        setattr(owner, name, parsed_value(text))
 
 
 def main():
@@ -469,6 +561,8 @@ def main():
                         help="part 3 only: one layer's cost per variant (the context defaults to 2048 here)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="rows per step (default 1 8 64)")
     parser.add_argument("--readout", action="store_true", help="part 4 only: the readout at the full vocabulary")
+    parser.add_argument("--compare", nargs="+", metavar="SETTING",
+                        help="with --per-layer: time one step under each setting, interleaved (see above)")
     parser.add_argument("--inductor-config", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config entries to set first, e.g. combo_kernels=True")
     args = parser.parse_args()
@@ -480,9 +574,11 @@ def main():
     if args.quick:
         args.context = min(args.context, 1024)
     args.steps = 3 if args.quick else 8
+    if args.compare and not args.per_layer:
+        sys.exit("--compare needs --per-layer VARIANT ...")
     if args.per_layer:
         args.steps = max(args.steps, 20)
-        per_layer_benchmark(args)
+        (compare_benchmark if args.compare else per_layer_benchmark)(args)
         return
     if args.readout:
         readout_benchmark(args)

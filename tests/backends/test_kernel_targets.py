@@ -209,6 +209,35 @@ def attention_calls() -> None:
     pages = torch.arange(16, dtype=torch.int32)[None]  # a row's pages in a pool of one 256-key page (never read)
     paged = dict(attention_inputs(1, 256), key_positions=torch.arange(16 * 256), query_positions=torch.tensor([4000]))
     inkling2_decode_attention(**paged, sliding_window=None, block_table=pages, page_size=256)
+    step_calls(ring, pages)
+
+
+def step_calls(ring: int, pages: torch.Tensor) -> None:
+    """The fused decode step (`decode_kernel.decode_attention_step`) as the model's layers call it: a sliding layer's
+    token and verification step over the ring, a full layer's token (with its log scale), a paged token."""
+    from transformers_inkling2.backends.attention.decode_kernel import decode_attention_step
+
+    heads, dim, d_rel = MODEL.num_attention_heads, MODEL.head_dim, MODEL.d_rel
+    for queries, keys, window in ((1, ring, MODEL.sliding_window), (8, ring, MODEL.sliding_window), (1, 4096, None)):
+        inputs = attention_inputs(queries, keys, padded=window is not None)
+        step = dict(
+            query_states=torch.empty(1, queries, heads, dim, dtype=torch.bfloat16),
+            query_scale=torch.empty(heads, dim, dtype=torch.bfloat16),
+            query_threshold=15.0,
+            relative_states=torch.empty(1, queries, heads, d_rel, dtype=torch.bfloat16),
+            relative_scale=torch.empty(heads, d_rel, dtype=torch.bfloat16),
+            relative_threshold=15.0,
+            bank=torch.empty(d_rel, MODEL.sliding_window if window else MODEL.rel_extent, dtype=torch.bfloat16),
+            log_scale=None if window else torch.empty(1, queries),
+            gate=torch.empty(1, queries, heads * dim, dtype=torch.bfloat16),
+            **{name: inputs[name] for name in ("key", "value", "sinks", "key_positions", "key_padding")},
+        )
+        positions = inputs["query_positions"]
+        decode_attention_step(**step, query_positions=positions, sliding_window=window, scaling=inputs["scaling"])
+        if queries == 1 and window is None:
+            paged = dict(step, key=inputs["key"][:, :, :256], value=inputs["value"][:, :, :256])
+            decode_attention_step(**paged, query_positions=torch.tensor([4000]), sliding_window=None,
+                                  scaling=inputs["scaling"], block_table=pages, page_size=256)  # fmt: skip
 
 
 def convolution_calls() -> None:

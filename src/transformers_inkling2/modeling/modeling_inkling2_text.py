@@ -256,13 +256,6 @@ class Inkling2Attention(nn.Module):
             keys = self.k_sconv(key_states, key_input, token_mask, cache, query_positions)
             values = self.v_sconv(value_states, value_input, token_mask, cache, query_positions)
 
-        queries = self.q_l2_clip(query_states.view(batch, length, -1, self.head_dim))
-        relative_states = self.rel_l2_clip(relative_states.view(batch, length, -1, self.config.d_rel))
-        if not self.is_sliding:
-            tau = self.log_scale(position_ids)
-            queries, relative_states = queries * tau, relative_states * tau
-        queries = queries.to(dtype).transpose(1, 2)
-        relative_states = relative_states.to(dtype)
         keys = l2_clip(keys.view(batch, length, -1, self.head_dim).float(), self.config.qk_l2_clip_threshold)
         keys = keys.to(dtype).transpose(1, 2)
         values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
@@ -274,21 +267,7 @@ class Inkling2Attention(nn.Module):
                 self.layer_idx, keys, values, query_positions, attention_mask
             )
         probabilities = [] if output_attentions else None
-        if block_table is not None:  # paged keys (the serving engine's decode steps): the decode path reads pages
-            if output_attentions:
-                raise ValueError("`output_attentions` is not available over paged keys (`Inkling2PagedCache`).")
-            attention = functools.partial(
-                get_attention_backend(PAGED_KEYS_BACKEND), block_table=block_table, page_size=keys.shape[2]
-            )
-        elif probabilities is None:
-            attention = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
-        else:
-            attention = functools.partial(eager_attention, probabilities_out=probabilities)
-        output = attention(
-            queries,
-            keys,
-            values,
-            relative_logits=self.rel_logits_proj(relative_states),
+        inputs = dict(
             sinks=sinks.transpose(1, 2),
             query_positions=query_positions,
             key_positions=key_positions,
@@ -296,8 +275,37 @@ class Inkling2Attention(nn.Module):
             sliding_window=self.sliding_window,
             scaling=self.scaling,
         )
-        output = fp32_operand(output.reshape(batch, length, -1)) * torch.sigmoid(gate.float())
-        return self.o_proj(output.to(dtype)), probabilities[0] if probabilities else None
+        if block_table is not None:  # paged keys (the serving engine's decode steps): the decode path reads pages
+            if output_attentions:
+                raise ValueError("`output_attentions` is not available over paged keys (`Inkling2PagedCache`).")
+            backend = get_attention_backend(PAGED_KEYS_BACKEND)
+            inputs.update(block_table=block_table, page_size=keys.shape[2])
+        elif probabilities is None:
+            backend = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
+        else:
+            backend = functools.partial(eager_attention, probabilities_out=probabilities)
+        tau = None if self.is_sliding else self.log_scale(position_ids)
+        args = (backend, query_states, relative_states, gate, tau, keys, values)
+        # a decode step that the backend hands to the fused decode kernel may take the query side into that kernel
+        fused = KERNELS.optional("attention_step")
+        output = None if fused is None else fused(self, *args, **inputs)
+        if output is None:
+            output = self.gated_attention(*args, dtype=dtype, **inputs)
+        return self.o_proj(output), probabilities[0] if probabilities else None
+
+    def gated_attention(self, backend, query_states, relative_states, gate, tau, keys, values, dtype, **inputs):
+        """The attention output before `o_proj`, [batch, T, heads * head_dim] in `dtype` (the layer input's): queries
+        and relative states scaled and clipped (times the log scale `tau` in full layers), the relative logits, the
+        backend, the sigmoid gate."""
+        batch, length, _ = query_states.shape
+        queries = self.q_l2_clip(query_states.view(batch, length, -1, self.head_dim))
+        relative_states = self.rel_l2_clip(relative_states.view(batch, length, -1, self.config.d_rel))
+        if tau is not None:
+            queries, relative_states = queries * tau, relative_states * tau
+        queries = queries.to(dtype).transpose(1, 2)
+        relative_logits = self.rel_logits_proj(relative_states.to(dtype))
+        output = backend(queries, keys, values, relative_logits=relative_logits, **inputs)
+        return (fp32_operand(output.reshape(batch, length, -1)) * torch.sigmoid(gate.float())).to(dtype)
 
     def projections(self, query_input, key_input, value_input) -> list[torch.Tensor]:
         """q, gate, relative states and sink logits of the query input, k and v of theirs: one grouped GEMV where the

@@ -16,10 +16,21 @@ with a batch stride of 0 when shared. Paged keys and values (`block_table`): key
 `block_table[b, j // page_size]` of the key/value pools, slot j % page_size; pages hold whole key blocks, so a
 block finds its page with one load. No host synchronization: grids depend on shapes only, so a decode step with
 this kernel can be captured in a CUDA graph.
+
+A decode step of the model may also hand over its query-side projections as they come out of the GEMV
+(`decode_attention_step`, through `attention/step.py`): the partial kernel then applies the queries' and relative
+states' per-head scale and L2 clip (and a full layer's log scale) to the rows it loads, and computes each key's
+relative bias from the [d_rel] relative state and the bank's column at its distance instead of reading a [B, H, Q,
+extent] product; the merge kernel multiplies its output by the sigmoid gate. Four launches of the step (two clips,
+the relative-logits GEMM, the gate) become work inside these two, in the reference's order of roundings: each
+query row and relative state is rounded to the model dtype after its transforms, each bias after its sum, the
+output before the gate and after it.
 Imported only when a CUDA tensor reaches the decode path (triton is not a CPU dependency).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -72,23 +83,66 @@ def _key_block(k_ptr, v_ptr, bt_row_ptr, b, kv_head, k0, stride_kb, stride_kh, s
 
 
 @triton.jit
+def _l2_clipped(x, threshold):
+    """Rows of x [R, N] fp32 scaled down to L2 norm `threshold` where longer: `modeling_inkling2_text.l2_clip`'s
+    formula, with a correctly rounded square root and division."""
+    norm = tl.sqrt_rn(tl.sum(x * x, 1))
+    return x * tl.minimum(tl.div_rn(threshold + tl.zeros_like(norm), norm + 1e-6), 1.0)[:, None]
+
+
+@triton.jit
+def _step_rows(raw, scale, threshold, tau):
+    """A step's raw query rows or relative states [R, N] (the projection's output) after the reference's per-head
+    scale, L2 clip and log scale (`tau` [R], 1 in sliding layers), rounded to the raw dtype as the model rounds them."""
+    return (_l2_clipped(raw.to(tl.float32) * scale.to(tl.float32), threshold) * tau[:, None]).to(raw.dtype)
+
+
+@triton.jit
+def _computed_bias(states, bank_ptr, distance, in_extent, extent, DREL: tl.constexpr):
+    """[R, N] relative bias: row r's relative state [R, DREL] (fp32 of model-dtype values) times the bank column at
+    each key's distance, summed in fp32 over d_rel in order and rounded to the bank's dtype, as the reference's
+    [B, H, Q, extent] product holds it; 0 outside `in_extent`."""
+    channels = tl.arange(0, DREL)
+    bias = tl.zeros(distance.shape, dtype=tl.float32)
+    for channel in tl.static_range(DREL):
+        state = tl.sum(tl.where(channels[None, :] == channel, states, 0.0), 1)  # column `channel`, exactly
+        column = tl.load(bank_ptr + channel * extent + distance, mask=in_extent, other=0.0)
+        bias += state[:, None] * column.to(tl.float32)
+    return bias.to(bank_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, rl_ptr, qpos_ptr, kpos_ptr, pad_ptr, bt_ptr, m_ptr, l_ptr, acc_ptr, stride_qb, stride_qh,
-    stride_qq, stride_kb, stride_kh, stride_kk, stride_vb, stride_vh, stride_vk, stride_rb, stride_rh, stride_rq,
-    stride_pb, stride_qpb, stride_kpb, stride_btb, key_length, keys_per_split, num_splits, extent, window, scaling,
-    KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-    BN: tl.constexpr, PAGE: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, rl_ptr, qpos_ptr, kpos_ptr, pad_ptr, bt_ptr, m_ptr, l_ptr, acc_ptr, qscale_ptr, rs_ptr,
+    rscale_ptr, tau_ptr, stride_qb, stride_qh, stride_qq, stride_kb, stride_kh, stride_kk, stride_vb, stride_vh,
+    stride_vk, stride_rb, stride_rh, stride_rq, stride_pb, stride_qpb, stride_kpb, stride_btb, stride_rsb, stride_rsq,
+    stride_rsh, stride_taub, key_length, keys_per_split, num_splits, extent, window, scaling, q_threshold,
+    r_threshold, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
+    DIM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr, PREPARE: tl.constexpr, HAS_TAU: tl.constexpr, DREL: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (batch * kv_heads, splits): running max m, sum l and unnormalized output acc of each row over the
     keys [split * keys_per_split, ...) of one kv head. Positions are read at batch strides (0: shared); PAGE > 0:
-    keys and values are page pools indexed by the block table (see `_key_block`)."""
+    keys and values are page pools indexed by the block table (see `_key_block`). PREPARE: q holds the raw query
+    projection, rs_ptr the raw relative states [B, Q, H, DREL] and rl_ptr the bank [DREL, extent]; the rows are
+    prepared here (`_step_rows`, with the per-head scales [H, DIM] / [H, DREL] and, HAS_TAU, the log scale
+    [B, Q]) and the bias computed (`_computed_bias`)."""
     wait_for_predecessor(PDL)
     pair, split = tl.program_id(0), tl.program_id(1)
     b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qq + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if PREPARE:
+        tau = tl.full((ROWS,), 1.0, dtype=tl.float32)
+        if HAS_TAU:
+            tau = tl.load(tau_ptr + b * stride_taub + query).to(tl.float32)
+        q = _step_rows(q, tl.load(qscale_ptr + head[:, None] * DIM + dims[None, :]), q_threshold, tau)
+        channels = tl.arange(0, DREL)
+        raw_states = tl.load(rs_ptr + b * stride_rsb + query[:, None] * stride_rsq + head[:, None] * stride_rsh
+                             + channels[None, :], mask=row_ok[:, None], other=0.0)
+        state_scale = tl.load(rscale_ptr + head[:, None] * DREL + channels[None, :])
+        states = _step_rows(raw_states, state_scale, r_threshold, tau).to(tl.float32)
     query_position = tl.load(qpos_ptr + b * stride_qpb + query)
     bias_rows = rl_ptr + b * stride_rb + head * stride_rh + query * stride_rq
     block_table_row = bt_ptr + b * stride_btb
@@ -109,8 +163,14 @@ def _decode_partial_kernel(
         distance = query_position[:, None] - key_position[None, :]
         visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
                                HAS_PADDING)
-        bias = tl.load(bias_rows[:, None] + distance, mask=visible & (distance < extent), other=0.0)
-        scores = tl.where(visible, (scores * scaling + bias.to(tl.float32)) * LOG2E, float("-inf"))
+        in_extent = visible & (distance < extent)
+        if PREPARE:  # 16 gathers per tile where any key is within the extent; none beyond it (long full layers)
+            bias = tl.zeros((ROWS, BN), dtype=tl.float32)
+            if tl.max(in_extent.to(tl.int32)) > 0:
+                bias = _computed_bias(states, rl_ptr, distance, in_extent, extent, DREL)
+        else:
+            bias = tl.load(bias_rows[:, None] + distance, mask=in_extent, other=0.0).to(tl.float32)
+        scores = tl.where(visible, (scores * scaling + bias) * LOG2E, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vk + dims[None, :], mask=col_ok[:, None], other=0.0)
         m, l, acc = online_softmax_step(scores, v, m, l, acc, DOT_FP32)
     release_successor(PDL)
@@ -122,14 +182,16 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, stride_sb, stride_sh, stride_sq, stride_ob, stride_oq, stride_oh,
-    num_splits, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
-    DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    m_ptr, l_ptr, acc_ptr, sink_ptr, gate_ptr, out_ptr, stride_sb, stride_sh, stride_sq, stride_gb, stride_gq,
+    stride_ob, stride_oq, stride_oh, num_splits, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr,
+    QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """grid (batch * kv_heads, GROUPS * QUERIES): one folded row's splits and sink merged by log-sum-exp, its
     splits read SPLIT_BLOCK at a time and summed in a fixed order (deterministic). A program per row, not per kv
     head: at one token a kv head's 30-odd splits of [rows, DIM] read one after another by 8 programs took longer
-    than the attention itself."""
+    than the attention itself. GATED: the row, rounded to the output dtype, times the sigmoid of its gate
+    ([B, Q, H * DIM], unit stride within a row), in fp32, rounded again."""
     wait_for_predecessor(PDL)
     pair, row = tl.program_id(0), tl.program_id(1)
     b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS
@@ -151,9 +213,12 @@ def _decode_merge_kernel(
         denominator += tl.sum(weight * tl.load(l_ptr + parts * ROWS + row, mask=ok, other=0.0), 0)
         outputs = tl.load(acc_ptr + (parts[:, None] * ROWS + row) * DIM + dims[None, :], mask=ok[:, None], other=0.0)
         numerator += tl.sum(weight[:, None] * outputs, 0)
+    output = (numerator / denominator).to(out_ptr.dtype.element_ty)
+    if GATED:
+        gate = tl.load(gate_ptr + b * stride_gb + query * stride_gq + head * DIM + dims).to(tl.float32)
+        output = (output.to(tl.float32) * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty)
     release_successor(PDL)
-    destination = out_ptr + b * stride_ob + query * stride_oq + head * stride_oh + dims
-    tl.store(destination, (numerator / denominator).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ob + query * stride_oq + head * stride_oh + dims, output)
 
 
 # fmt: on
@@ -195,6 +260,71 @@ def decode_attention(
     pools [pages, Hkv, page_size, D] and the logical keys are K = pages per row * page_size (key_positions and
     key_padding index those); page_size must be a multiple of BLOCK_KEYS. A custom op: `torch.compile` (the compiled
     decode steps) calls it as it is instead of tracing and recompiling the kernels."""
+    return _attend(
+        query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window,
+        scaling, block_table, page_size,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepPrologue:
+    """What `decode_attention_step` hands the kernels beyond `decode_attention`'s inputs (see its docstring)."""
+
+    query_scale: torch.Tensor
+    query_threshold: float
+    relative_states: torch.Tensor
+    relative_scale: torch.Tensor
+    relative_threshold: float
+    log_scale: torch.Tensor | None
+    gate: torch.Tensor
+
+
+@torch.library.custom_op("inkling2::decode_attention_step", mutates_args=())
+def decode_attention_step(
+    query_states: torch.Tensor,
+    query_scale: torch.Tensor,
+    query_threshold: float,
+    relative_states: torch.Tensor,
+    relative_scale: torch.Tensor,
+    relative_threshold: float,
+    bank: torch.Tensor,
+    log_scale: torch.Tensor | None,
+    gate: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    sliding_window: int | None,
+    scaling: float,
+    block_table: torch.Tensor | None = None,
+    page_size: int = 0,
+) -> torch.Tensor:
+    """A model's decode attention from its raw query-side projections, gated: `decode_attention` of the queries
+    `l2_clip(query_states * query_scale, query_threshold) * log_scale` and the relative logits
+    `(l2_clip(relative_states * relative_scale, relative_threshold) * log_scale) @ bank` (each in the model dtype),
+    then `output * sigmoid(gate)` (see the module docstring). query_states [B, Q, H, D], relative_states
+    [B, Q, H, d_rel] and gate [B, Q, H * D] in the model dtype; query_scale [H, D] and relative_scale [H, d_rel]
+    (this rank's heads); bank [d_rel, extent] in the model dtype; log_scale [B or 1, Q] (full layers) or None; the
+    rest as `decode_attention`. -> [B, Q, H * D]. The small operands are made contiguous here (no copy for the
+    model's, which are)."""
+    prologue = _StepPrologue(
+        query_scale.contiguous(), query_threshold, relative_states.contiguous(), relative_scale.contiguous(),
+        relative_threshold, log_scale, gate.contiguous(),
+    )  # fmt: skip
+    output = _attend(
+        query_states.transpose(1, 2), key, value, bank.contiguous(), sinks, query_positions, key_positions, key_padding,
+        sliding_window, scaling, block_table, page_size, prologue,
+    )  # fmt: skip
+    return output.flatten(2)
+
+
+def _attend(
+    query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window, scaling,
+    block_table, page_size, prologue: _StepPrologue | None = None,
+) -> torch.Tensor:
+    """Both ops' launches -> [B, Q, H, D]; with a `prologue`, relative_logits is the bank [d_rel, extent]."""
     batch, heads, queries, head_dim = query.shape
     kv_heads = key.shape[1]
     if block_table is None:
@@ -223,23 +353,38 @@ def decode_attention(
     l = torch.empty_like(m)
     acc = torch.empty(pairs * splits * rows, head_dim, dtype=torch.float32, device=device)
     output = torch.empty(batch, queries, heads, head_dim, dtype=value.dtype, device=device)
+    if prologue is None:
+        bias_strides = relative_logits.stride()[:3]
+        # placeholders (never read): scales, states and log scale, their strides and thresholds
+        states = query_scale = state_scale = tau = gate = query
+        state_strides, tau_stride, gate_strides, thresholds, drel = (0, 0, 0), 0, (0, 0), (0.0, 0.0), 1
+    else:
+        bias_strides = (0, 0, 0)
+        states, query_scale, state_scale = prologue.relative_states, prologue.query_scale, prologue.relative_scale
+        state_strides, drel = states.stride()[:3], states.shape[-1]
+        tau = query if prologue.log_scale is None else prologue.log_scale.expand(batch, -1)
+        tau_stride = 0 if prologue.log_scale is None else tau.stride(0)
+        gate = prologue.gate
+        gate_strides = gate.stride()[:2]
+        thresholds = (prologue.query_threshold, prologue.relative_threshold)
     pdl = dependent_launch(query)
     constants = dict(KV_HEADS=kv_heads, GROUPS=groups, QUERIES=queries, ROWS=rows, DIM=head_dim, PDL=pdl,
                      launch_pdl=pdl)
     _decode_partial_kernel[(pairs, splits)](
-        query, key, value, relative_logits, query_positions, key_positions, padding, table, m, l, acc,
+        query, key, value, relative_logits, query_positions, key_positions, padding, table, m, l, acc, query_scale,
+        states, state_scale, tau,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        relative_logits.stride(0), relative_logits.stride(1), relative_logits.stride(2), padding.stride(0),
-        query_positions.stride(0), key_positions.stride(0), table.stride(0),
-        key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling,
+        value.stride(0), value.stride(1), value.stride(2), *bias_strides, padding.stride(0),
+        query_positions.stride(0), key_positions.stride(0), table.stride(0), *state_strides, tau_stride,
+        key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling, *thresholds,
         BN=BLOCK_KEYS, PAGE=0 if block_table is None else page_size, HAS_PADDING=key_padding is not None,
-        HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32, num_warps=4, **constants,
+        HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32, PREPARE=prologue is not None,
+        HAS_TAU=prologue is not None and prologue.log_scale is not None, DREL=drel, num_warps=4, **constants,
     )  # fmt: skip
     _decode_merge_kernel[(pairs, groups * queries)](
-        m, l, acc, sinks, output, sinks.stride(0), sinks.stride(1), sinks.stride(2),
-        output.stride(0), output.stride(1), output.stride(2), splits, SPLIT_BLOCK=MERGE_SPLIT_BLOCK, num_warps=4,
-        **constants,
+        m, l, acc, sinks, gate, output, sinks.stride(0), sinks.stride(1), sinks.stride(2), *gate_strides,
+        output.stride(0), output.stride(1), output.stride(2), splits, SPLIT_BLOCK=MERGE_SPLIT_BLOCK,
+        GATED=prologue is not None, num_warps=4, **constants,
     )  # fmt: skip
     return output
 
@@ -251,4 +396,11 @@ def _output_like(*inputs):
     return attention_output_like(*inputs[:10])
 
 
-__all__ = ["decode_attention", "supports"]
+@decode_attention_step.register_fake
+def _step_output_like(query_states, query_scale, query_threshold, relative_states, relative_scale, relative_threshold,
+                      bank, log_scale, gate, key, value, *rest, **paging):  # fmt: skip
+    """For tracing: [B, Q, H * D] in the values' dtype."""
+    return gate.new_empty(gate.shape, dtype=value.dtype)
+
+
+__all__ = ["decode_attention", "decode_attention_step", "supports"]

@@ -1,0 +1,118 @@
+"""A decode step's attention from its raw query-side projections, where the step reaches the fused decode kernel.
+
+Registered as the model's `"attention_step"` kernel (`modeling.interfaces.KERNELS`). The reference
+(`Inkling2Attention.forward`) prepares the queries and relative states (per-head scale, L2 clip, a full layer's log
+scale), multiplies the relative states into [B, H, Q, extent] relative logits, calls the attention backend and gates
+its output with `sigmoid(gate)`: at a decode step four small launches (two reductions, a GEMM, a multiply) around
+the decode kernel's two. `decode_kernel.decode_attention_step` does that work inside those two, with the
+reference's roundings.
+
+It takes over only calls that the backend the model picked would hand to the decode kernel anyway: one of this
+package's backends that run it for steps (`DECODE_KERNEL_BACKENDS`, paged keys included), CUDA tensors without
+gradients, at most `MAX_STEP_TOKENS` queries, shapes the kernel supports, and the clip and relative-logits modules
+as this package defines them, without hooks. Everything else gets None, and the model runs the reference.
+
+Off unless `INKLING2_FUSED_ATTENTION_STEP=1`: it was written and tested on CPU (Triton's interpreter, and compiled
+for Hopper and Blackwell) while no GPU was lent, so it has not been timed nor run on one; it becomes the default
+once both are done (docs/attention.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ...cache.common import MAX_STEP_TOKENS
+from ...modeling.modeling_inkling2_text import Inkling2RelativeLogits, Inkling2ScaledL2Clip
+from ...modeling.tensors import differentiable, local_tensor
+from .flex import (
+    inkling2_auto_attention,
+    inkling2_decode_attention,
+    inkling2_flex_attention,
+    inkling2_triton_attention,
+)
+
+ENV = "INKLING2_FUSED_ATTENTION_STEP"
+
+# the backends that send a step of at most MAX_STEP_TOKENS CUDA queries to `decode_kernel` (see flex.py)
+DECODE_KERNEL_BACKENDS = (
+    inkling2_auto_attention,
+    inkling2_triton_attention,
+    inkling2_flex_attention,
+    inkling2_decode_attention,
+)
+
+
+def enabled() -> bool:
+    """Whether the fused step is switched on (`INKLING2_FUSED_ATTENTION_STEP=1`; off by default, see above)."""
+    return os.environ.get(ENV, "0") == "1"
+
+
+def _kernel_runs_on(tensor: torch.Tensor) -> bool:
+    """CUDA, or any tensor under Triton's interpreter (`TRITON_INTERPRET=1`: the kernels run on CPU tensors there,
+    which is how the CPU tests check the model's steps through them)."""
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _plain(module: nn.Module, kind: type) -> bool:
+    return type(module) is kind and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def runs_fused(attention: nn.Module, backend, query_states: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `fused_attention_step` takes this call (see the module docstring); query_states [B, Q, H, D], key
+    [B, Hkv, K, D] or page pools."""
+    if not enabled() or backend not in DECODE_KERNEL_BACKENDS or not _kernel_runs_on(query_states):
+        return False
+    clips, bank = (attention.q_l2_clip, attention.rel_l2_clip), attention.rel_logits_proj
+    if not all(_plain(clip, Inkling2ScaledL2Clip) for clip in clips) or not _plain(bank, Inkling2RelativeLogits):
+        return False
+    d_rel = attention.config.d_rel  # a power of two: the kernel's tl.arange over it
+    if query_states.shape[1] > MAX_STEP_TOKENS or d_rel & (d_rel - 1):
+        return False
+    if differentiable(query_states, key, *(clip.scale for clip in clips), bank.proj):
+        return False
+    from . import decode_kernel  # Triton, imported where a kernel runs
+
+    return decode_kernel.supports(query_states.transpose(1, 2), key)
+
+
+def fused_attention_step(
+    attention: nn.Module,
+    backend,
+    query_states: torch.Tensor,
+    relative_states: torch.Tensor,
+    gate: torch.Tensor,
+    log_scale: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    **inputs,
+) -> torch.Tensor | None:
+    """`Inkling2Attention`'s gated attention output [B, Q, H * D] from its raw projections (query_states, gate
+    [B, Q, H * D], relative_states [B, Q, H * d_rel]), `log_scale` [B or 1, Q, 1, 1] fp32 (full layers) or None,
+    key, value and the backend's other inputs (sinks, positions, padding, window, scaling, pages); None where the
+    reference runs (see the module docstring)."""
+    batch, length = query_states.shape[:2]
+    queries = query_states.reshape(batch, length, -1, attention.head_dim)
+    if not runs_fused(attention, backend, queries, key):
+        return None
+    from .decode_kernel import decode_attention_step  # Triton, imported where the kernel runs
+
+    return decode_attention_step(
+        queries,
+        local_tensor(attention.q_l2_clip.scale),
+        attention.q_l2_clip.threshold,
+        relative_states.reshape(batch, length, -1, attention.config.d_rel),
+        local_tensor(attention.rel_l2_clip.scale),
+        attention.rel_l2_clip.threshold,
+        attention.rel_logits_proj.proj.to(query_states.dtype),
+        None if log_scale is None else log_scale.reshape(-1, length),
+        gate,
+        key,
+        value,
+        **inputs,
+    )
+
+
+__all__ = ["DECODE_KERNEL_BACKENDS", "ENV", "enabled", "fused_attention_step", "runs_fused"]

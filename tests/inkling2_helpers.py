@@ -53,7 +53,7 @@ ORACLE_TEXT_CONFIG = dict(
 # Runs Triton kernels on CPU tensors under Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when
 # triton is imported). The prelude works around numpy >= 2.4 refusing int() of a 1-element 1-d array, which
 # triton 3.6's interpreter does for `range(..)` bounds held in tensors. CI installs triton 3.6.0 (`.ci/run`).
-_INTERPRETER_PRELUDE = r"""
+INTERPRETER_PRELUDE = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 from triton.runtime import interpreter as _interp
@@ -76,7 +76,7 @@ def run_under_triton_interpreter(script: str, *args: str) -> dict:
     """Runs `script` (which prints a JSON object as its last line) under the interpreter; returns that object."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_PRELUDE + script, *args], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], env=env, capture_output=True, text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

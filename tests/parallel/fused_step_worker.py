@@ -1,0 +1,82 @@
+"""Run by `test_fused_step_parallel.py` under `torchrun --nproc_per_node 2` (gloo, CPU) with `TRITON_INTERPRET=1`:
+the fused decode attention step (`backends/attention/step.py`) on each rank's block of heads, against the same
+rank's steps without it and against the single-process model.
+
+Usage: TRITON_INTERPRET=1 torchrun --nproc_per_node 2 tests/parallel/fused_step_worker.py CHECKPOINT REPORT.json
+Every rank loads the checkpoint split over the ranks (`tp_plan="auto"`) and runs a prefill and decode / verification
+steps over the static cache, with `INKLING2_FUSED_ATTENTION_STEP` on and off; rank 0 also runs the unsplit model.
+Rank 0 writes every rank's report; the test reads it.
+"""
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache
+from transformers_inkling2.backends.attention import decode_kernel, step
+
+STEP_TOKENS = (1, 3, 1, 8, 1)  # decode steps and verification steps
+
+
+def step_logits(model) -> list[torch.Tensor]:
+    """A left-padded prefill of two rows, then STEP_TOKENS, over the static cache: every forward's logits."""
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, 500, (2, 21), generator=generator)
+    mask = torch.ones_like(input_ids)
+    mask[1, :4] = 0
+    cache = Inkling2StaticCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        logits = [model(input_ids, attention_mask=mask, past_key_values=cache).logits]
+        for size in STEP_TOKENS:
+            tokens = torch.randint(0, 500, (2, size), generator=generator)
+            mask = torch.cat([mask, torch.ones(2, size, dtype=mask.dtype)], dim=1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -size:]
+            logits.append(model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache).logits)
+    return logits
+
+
+def largest_difference(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    return max(((a - e).norm() / e.norm()).item() for a, e in zip(actual, expected, strict=True))
+
+
+def main(checkpoint: Path, report_file: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    split = Inkling2ForCausalLM.from_pretrained(checkpoint, tp_plan="auto")
+    calls = []
+    original = decode_kernel.decode_attention_step
+    decode_kernel.decode_attention_step = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    os.environ[step.ENV] = "1"
+    fused = step_logits(split)
+    fused_calls = len(calls)
+    os.environ[step.ENV] = "0"
+    plain = step_logits(split)
+    single = [step_logits(Inkling2ForCausalLM.from_pretrained(checkpoint)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(single, src=0)
+    report = {
+        "world_size": dist.get_world_size(),
+        "local_heads": split.model.layers[0].self_attn.q_l2_clip.scale.to_local().shape[0],
+        "fused_calls": fused_calls,
+        "to_plain_split": largest_difference(fused, plain),
+        "to_single_process": largest_difference(fused, single[0]),
+        "plain_split_to_single_process": largest_difference(plain, single[0]),
+    }
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    if dist.get_rank() == 0:
+        report_file.write_text(json.dumps(gathered, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("report", type=Path)
+    arguments = parser.parse_args()
+    main(arguments.checkpoint, arguments.report)

@@ -576,6 +576,8 @@ def main():
     args.steps = 3 if args.quick else 8
     if args.compare and not args.per_layer:
         sys.exit("--compare needs --per-layer VARIANT ...")
+    if any(setting != "base" and "=" not in setting for setting in args.compare or ()):
+        sys.exit("--compare takes base, NAME=VALUE (an environment switch) or key=value (an inductor option)")
     if args.per_layer:
         args.steps = max(args.steps, 20)
         (compare_benchmark if args.compare else per_layer_benchmark)(args)

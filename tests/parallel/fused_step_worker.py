@@ -9,13 +9,12 @@ Rank 0 writes every rank's report; the test reads it.
 """
 
 import argparse
-import json
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_report import COLLECTIVE_TIMEOUT, write_every_ranks_report
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache
 from transformers_inkling2.backends.attention import decode_kernel, step
@@ -46,7 +45,7 @@ def largest_difference(actual: list[torch.Tensor], expected: list[torch.Tensor])
 
 def main(checkpoint: Path, report_file: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     split = Inkling2ForCausalLM.from_pretrained(checkpoint, tp_plan="auto")
     calls = []
     original = decode_kernel.decode_attention_step
@@ -66,12 +65,7 @@ def main(checkpoint: Path, report_file: Path) -> None:
         "to_single_process": largest_difference(fused, single[0]),
         "plain_split_to_single_process": largest_difference(plain, single[0]),
     }
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
-    if dist.get_rank() == 0:
-        report_file.write_text(json.dumps(gathered, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_every_ranks_report(report, report_file)
 
 
 if __name__ == "__main__":

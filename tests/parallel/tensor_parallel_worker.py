@@ -11,14 +11,13 @@ nested plan. Rank 0 writes every rank's report; the test reads it.
 """
 
 import argparse
-import json
 import os
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_report import COLLECTIVE_TIMEOUT, write_every_ranks_report
 from torch.distributed.tensor import DTensor
 from transformers import DistributedConfig
 
@@ -29,7 +28,6 @@ from transformers_inkling2.parallel.tensor_parallel import local_tensor
 from transformers_inkling2.quantization.experts import Inkling2QuantizedExperts
 
 NEW_TOKENS = 8
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # shorter than the test's launch timeout: a hang fails here, with its call
 
 
 def batch():
@@ -245,12 +243,7 @@ def main(checkpoints: Path, report_file: Path, all_checks: bool) -> None:
     if all_checks:
         check_multimodal(checkpoints / "multimodal", report)
     report["world_size"] = dist.get_world_size()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
-    if dist.get_rank() == 0:
-        report_file.write_text(json.dumps(gathered, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_every_ranks_report(report, report_file)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def test_fused_step_on_each_ranks_heads_gives_the_single_process_steps(tmp_path)
     checkpoint = tmp_path / "model"
     randomize_(Inkling2ForCausalLM(Inkling2TextConfig(**ORACLE_TEXT_CONFIG)), seed=7).save_pretrained(checkpoint)
     report_file = tmp_path / "report.json"
-    launcher = tmp_path / "launcher.py"  # each rank: the interpreter's prelude, then the worker
-    launcher.write_text(f"{INTERPRETER_PRELUDE}\nimport runpy\nrunpy.run_path({str(WORKER)!r}, run_name='__main__')\n")
+    launcher = tmp_path / "launcher.py"  # each rank: the interpreter's prelude, then the worker beside its helpers
+    launcher.write_text(f"{INTERPRETER_PRELUDE}\nimport runpy, sys\nsys.path.insert(0, {str(WORKER.parent)!r})\n"
+                        f"runpy.run_path({str(WORKER)!r}, run_name='__main__')\n")
     torchrun(2, launcher, checkpoint, report_file)
     ranks = json.loads(report_file.read_text())
     heads = ORACLE_TEXT_CONFIG["num_attention_heads"]

@@ -19,7 +19,6 @@ Usage: torchrun --nproc_per_node 4 tests/parallel/tp_loading_worker.py CHECKPOIN
 CHECKPOINTS_DIR holds `bf16/` and `quantized/`. Rank 0 writes every rank's report; the test reads it.
 """
 
-import json
 import os
 import sys
 import warnings
@@ -29,6 +28,7 @@ from pathlib import Path
 import safetensors
 import torch
 import torch.distributed as dist
+from rank_report import write_every_ranks_report
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -162,12 +162,7 @@ def main(checkpoints: str, report_file: str) -> None:
     torch.set_num_threads(1)
     count_safetensors_reads()
     report = {name: check(Path(checkpoints) / name) for name in ("bf16", "quantized")}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
-    if dist.get_rank() == 0:
-        Path(report_file).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_every_ranks_report(report, report_file)
 
 
 if __name__ == "__main__":

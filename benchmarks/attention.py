@@ -115,15 +115,16 @@ def timing_table(results: list[dict]) -> str:
     return markdown_table(["shape", "rows", "path", "us", "% of copy bandwidth"], cells)
 
 
-# the package's environment switches that change what a step runs; a report names those that are set
-SWITCHES = ("INKLING2_DEPENDENT_LAUNCH", "INKLING2_FUSED_ATTENTION_STEP")
-
-
 def environment() -> str:
+    """The GPU, versions, time, and the package's environment switches that change what a step runs, where set."""
     props = torch.cuda.get_device_properties(0)
     import transformers
 
-    switches = "".join(f", {name}={os.environ[name]}" for name in SWITCHES if name in os.environ)
+    from transformers_inkling2.backends import dependent_launch
+    from transformers_inkling2.backends.attention import step
+
+    names = (dependent_launch.ENV, step.ENV)
+    switches = "".join(f", {name}={os.environ[name]}" for name in names if name in os.environ)
     return (
         f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC{switches}"

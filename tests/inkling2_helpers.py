@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import transformers_inkling2  # noqa: F401  (registers our classes)
-from transformers_inkling2 import Inkling2ForCausalLM, Inkling2TextConfig
+from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache, Inkling2TextConfig
 from transformers_inkling2.tiny import randomize_, tiny_dspark_config
 
 # 12 layers: full attention at 5 and 11, attention-residual blocks opening at 0 and 6; short windows so that a
@@ -81,6 +81,22 @@ def run_under_triton_interpreter(script: str, *args: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_CALL_SCRIPT = r"""
+import importlib, json, sys
+sys.path[:0] = sys.argv[1:3]  # tests/ (inkling2_helpers) and the test module's folder
+print(json.dumps(getattr(importlib.import_module(sys.argv[3]), sys.argv[4])()))
+"""
+
+
+def call_under_triton_interpreter(function) -> dict:
+    """`function()`, a test module's function without arguments that returns JSON-able results, run under the
+    interpreter (`run_under_triton_interpreter`); returns its results."""
+    path = Path(sys.modules[function.__module__].__file__)
+    return run_under_triton_interpreter(
+        _CALL_SCRIPT, str(Path(__file__).parent), str(path.parent), path.stem, function.__name__
+    )
 
 
 def build_pair(seed: int = 0, dtype=torch.float32, **overrides):
@@ -328,6 +344,38 @@ def assert_same_logits(expected, actual, atol=1e-4):
 
 
 STEPS = [1, 3, 1, 8, 1, 1, 5, 1, 2, 1, 1, 1, 8, 1]  # crosses the window (8) and the extent (12) several times
+
+
+def set_environment(monkeypatch, values: dict) -> None:
+    """Sets each variable to its value, or removes it where the value is None."""
+    for name, value in values.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def switched_step_differences(switches: list[str], module, kernel: str, device: str = "cpu") -> dict:
+    """A tiny model's prefill and decode / verification steps (`STEPS[:6]`: 1, 3, 1, 8, 1, 1 tokens, across the
+    window of 8) over the static cache with the environment `switches` set to "1", then to "0": the largest relative
+    difference of any forward's logits, the prefill's, and how many calls `module.kernel` took (the fused kernels'
+    entry points, counted by wrapping them)."""
+    model = build_pair(seed=3)[0].to(device)
+    input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=4))
+    calls, original = [], getattr(module, kernel)
+    setattr(module, kernel, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    logits = {}
+    try:
+        for switch in ("1", "0"):
+            os.environ.update(dict.fromkeys(switches, switch))
+            cache = Inkling2StaticCache(model.config, max_cache_len=64)
+            logits[switch] = run_steps(model, cache, input_ids, attention_mask, STEPS[:6])
+    finally:
+        setattr(module, kernel, original)
+        for name in switches:
+            os.environ.pop(name)
+    differences = [((a - b).norm() / b.norm()).item() for a, b in zip(logits["1"], logits["0"], strict=True)]
+    return dict(difference=max(differences), prefill=differences[0], calls=len(calls))
 
 
 # the TP8 launch took 229 s at most on 2 cores that other jobs shared; a hung launch is killed (the worker's

@@ -12,21 +12,17 @@ only under the interpreter.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from inkling2_helpers import (
-    STEPS,
     build_pair,
-    left_padded_batch,
+    call_under_triton_interpreter,
     needs_triton,
-    run_steps,
-    run_under_triton_interpreter,
+    set_environment,
+    switched_step_differences,
 )
 from test_decode_kernel_rows import FULL, SMALL, cast, in_pages, per_row_cases, relative_error
 
-from transformers_inkling2 import Inkling2StaticCache
 from transformers_inkling2.backends.attention.flex import inkling2_decode_attention
 from transformers_inkling2.modeling.modeling_inkling2_text import l2_clip
 
@@ -122,50 +118,18 @@ def small_step_errors() -> dict:
 
 
 def model_step_differences(device: str = "cpu") -> dict:
-    """A tiny model's prefill and decode / verification steps over the static cache with the fused step switched on
-    (on CPU the interpreter lets it run) and off: largest relative difference of any step's logits, and how many
-    attention calls took the fused step."""
-    import os
-
+    """A tiny model's steps over the static cache with the fused step switched on (on CPU the interpreter lets it
+    run) and off (`switched_step_differences`)."""
     from transformers_inkling2.backends.attention import decode_kernel, step
 
-    model = build_pair(seed=3)[0].to(device)
-    input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=4))
-    fused_calls = []
-    original = decode_kernel.decode_attention_step
-    decode_kernel.decode_attention_step = lambda *args, **kwargs: fused_calls.append(1) or original(*args, **kwargs)
-    steps = STEPS[:6]  # 1, 3, 1, 8, 1, 1 tokens: decode steps, verification steps, across the window of 8
-    logits = {}
-    try:
-        for switch in ("1", "0"):
-            os.environ[step.ENV] = switch
-            cache = Inkling2StaticCache(model.config, max_cache_len=64)
-            logits[switch] = run_steps(model, cache, input_ids, attention_mask, steps)
-    finally:
-        decode_kernel.decode_attention_step = original
-        os.environ.pop(step.ENV)
-    differences = [relative_error(a, b) for a, b in zip(logits["1"], logits["0"], strict=True)]
-    return dict(difference=max(differences), prefill=differences[0], calls=len(fused_calls))
-
-
-_SCRIPT = r"""
-import json, sys
-sys.path[:0] = sys.argv[1:3]  # tests/ (inkling2_helpers) and tests/backends (this module and its neighbours)
-import test_attention_step as steps
-print(json.dumps(getattr(steps, sys.argv[3])()))
-"""
-
-
-def under_the_interpreter(function) -> dict:
-    here = Path(__file__)
-    return run_under_triton_interpreter(_SCRIPT, str(here.parents[1]), str(here.parent), function.__name__)
+    return switched_step_differences([step.ENV], decode_kernel, "decode_attention_step", device)
 
 
 @needs_triton
 def test_fused_step_under_the_triton_interpreter_equals_the_reference():
     """Per-row query positions with keys shared or in per-row rings, 1 and 3 queries, with and without a log scale,
     with and without a window, and paged keys; also under torch.compile."""
-    results = under_the_interpreter(small_step_errors)
+    results = call_under_triton_interpreter(small_step_errors)
     assert len(results["errors"]) == 18
     for name, (error, _) in results["errors"].items():
         assert error <= FP32_BOUND, (name, error)
@@ -174,7 +138,7 @@ def test_fused_step_under_the_triton_interpreter_equals_the_reference():
 
 @needs_triton
 def test_model_steps_with_the_fused_step_equal_the_reference_steps():
-    results = under_the_interpreter(model_step_differences)
+    results = call_under_triton_interpreter(model_step_differences)
     # every decode and verification step of both layer kinds took it (12 layers, 6 steps); the prefill did not
     assert results["calls"] == 12 * 6
     assert results["prefill"] == 0
@@ -188,11 +152,7 @@ def test_the_step_is_not_fused_when_switched_off_or_on_cpu(monkeypatch, switch, 
     from transformers_inkling2.backends.attention import step
     from transformers_inkling2.backends.attention.flex import inkling2_auto_attention
 
-    for name, value in ((step.ENV, switch), ("TRITON_INTERPRET", interpreter)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+    set_environment(monkeypatch, {step.ENV: switch, "TRITON_INTERPRET": interpreter})
     attention = build_pair(seed=3)[0].model.layers[0].self_attn
     queries = torch.zeros(1, 1, attention.config.num_attention_heads, attention.head_dim)
     assert not step.runs_fused(attention, inkling2_auto_attention, queries, torch.zeros(1, 2, 8, attention.head_dim))

@@ -8,11 +8,9 @@ error plus 1e-3, both against fp32 references computed on CPU (on CUDA the PyTor
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from inkling2_helpers import needs_triton, random_inputs, run_under_triton_interpreter
+from inkling2_helpers import call_under_triton_interpreter, needs_triton, random_inputs
 
 from transformers_inkling2.backends.attention.flex import inkling2_decode_attention
 from transformers_inkling2.modeling.attention import eager_attention
@@ -136,19 +134,6 @@ def small_paged_errors() -> dict:
     return dict(errors=kernel_errors(cases, (None, 50)), compiled=compiled_difference(paged))
 
 
-_SCRIPT = r"""
-import json, sys
-sys.path[:0] = sys.argv[1:3]  # tests/ (inkling2_helpers) and tests/backends (this module)
-import test_decode_kernel_rows as rows
-print(json.dumps(getattr(rows, sys.argv[3])()))
-"""
-
-
-def under_the_interpreter(function) -> dict:
-    here = Path(__file__)
-    return run_under_triton_interpreter(_SCRIPT, str(here.parents[1]), str(here.parent), function.__name__)
-
-
 def assert_within_bounds(errors: dict, count: int, dtype=torch.float32) -> None:
     assert len(errors) == count
     for name, (to_pytorch_path, to_eager, own_error) in errors.items():
@@ -160,7 +145,7 @@ def assert_within_bounds(errors: dict, count: int, dtype=torch.float32) -> None:
 def test_kernel_with_positions_per_row_under_the_triton_interpreter():
     """Per-row query positions [B, Q] with key positions shared (1-D) or per row in a ring (2-D, rows wrapped at
     different slots), split over several programs; also under torch.compile."""
-    results = under_the_interpreter(small_per_row_errors)
+    results = call_under_triton_interpreter(small_per_row_errors)
     assert_within_bounds(results["errors"], 8)
     assert results["compiled"] == 0
 
@@ -169,7 +154,7 @@ def test_kernel_with_positions_per_row_under_the_triton_interpreter():
 def test_paged_kernel_under_the_triton_interpreter():
     """Keys and values in 64-key pages of shuffled, strided pools (two rows sharing a page), per-row query
     positions, with and without padding: as the kernel on the pages gathered back; also under torch.compile."""
-    results = under_the_interpreter(small_paged_errors)
+    results = call_under_triton_interpreter(small_paged_errors)
     assert_within_bounds(results["errors"], 4)
     assert results["compiled"] == 0
 

@@ -125,11 +125,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
             self.lazy_initialization(keys, values)
         new_tokens = keys.shape[2]
         valid = None if token_mask is None else token_mask.bool()
-        if attend_length is None:
-            self.check_room(new_tokens)
-            past = self.seen_tokens
-            self.seen_tokens += new_tokens
-            attend_length = past + new_tokens
+        past, attend_length = self.count(new_tokens, attend_length)
 
         if not self.is_sliding:  # slot = position: the first `attend_length` slots, in order
             self.write(query_positions, keys, values, valid, slots)
@@ -144,7 +140,7 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
             )
         if new_tokens <= self.max_queries:  # write, then attend over the whole ring
             self.write(query_positions, keys, values, valid, slots)
-            return self.keys, self.values, self.slot_positions, self.key_valid, False, None
+            return self.whole_ring()
         # a long chunk (prefill): the keys the window still reaches in position order, then the new ones
         held = min(past, self.history)
         positions = torch.arange(past - held, past, device=keys.device)
@@ -161,6 +157,21 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         )
         self.write(query_positions, keys, values, valid, slots)
         return attend
+
+    def count(self, new_tokens: int, attend_length: int | None) -> tuple[int | None, int]:
+        """The host-side count of a forward's new tokens: (tokens cached before them, the full layers' attention
+        span). A captured step (`attend_length` given) leaves the count to its runner: (None, attend_length)."""
+        if attend_length is not None:
+            return None, attend_length
+        self.check_room(new_tokens)
+        past = self.seen_tokens
+        self.seen_tokens += new_tokens
+        return past, past + new_tokens
+
+    def whole_ring(self) -> tuple:
+        """What a sliding layer's step attends to once its keys are written: every slot of the ring, with the
+        positions the slots hold and their validity (`attention_keys`' tuple)."""
+        return self.keys, self.values, self.slot_positions, self.key_valid, False, None
 
     def update(self, key_states, value_states, *args, **kwargs):
         """transformers' Cache interface: appends after the cached tokens; returns the keys/values attended."""
@@ -271,11 +282,12 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         self.graph_pool = None  # their shared memory pool
         self.capture_failed = False  # a step could not be captured: the others run eagerly too
 
+    def check_rows(self, batch: int) -> None:
+        if self.max_batch_size is not None and batch != self.max_batch_size:
+            raise ValueError(f"This static cache was built for {self.max_batch_size} rows; the forward has {batch}.")
+
     def attention_keys(self, layer_idx, keys, values, query_positions, attention_mask):
-        if self.max_batch_size is not None and keys.shape[0] != self.max_batch_size:
-            raise ValueError(
-                f"This static cache was built for {self.max_batch_size} rows; the forward has {keys.shape[0]}."
-            )
+        self.check_rows(keys.shape[0])
         token_mask = None if attention_mask is None else attention_mask[:, -keys.shape[2] :]
         layer = self.layers[layer_idx]
         slots = self.step.slots(layer.capacity) if self.step_is_for(query_positions) else None
@@ -315,6 +327,29 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         if not step.reads_ring:
             return None
         return self.layers[layer_idx].convolution_ring(conv_idx, new_inputs), step
+
+    def step_key_value_ring(self, layer_idx, keys_like, values_like, query_positions) -> tuple | None:
+        """Where a kernel that computes a sliding layer's step keys and values writes them itself, instead of passing
+        them to `attention_keys`: (keys, values, key_valid, slot_positions, the step's slots) of the layer's ring,
+        for a step of at most `max_queries` tokens of a sliding layer; else None. keys_like / values_like
+        [batch, kv_heads, T, head_dim] give the buffers' shapes, dtype and device at their first use. The kernel
+        writes the slots' positions and validity too; `attend_written_ring` then returns what the step attends to."""
+        layer = self.layers[layer_idx]
+        self.check_rows(keys_like.shape[0])
+        if not layer.is_sliding or keys_like.shape[2] > layer.max_queries:
+            return None
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys_like, values_like)
+        step = self.step if self.step_is_for(query_positions) else None
+        slots = ring_slots(query_positions, layer.capacity) if step is None else step.slots(layer.capacity)
+        return layer.keys, layer.values, layer.key_valid, layer.slot_positions, slots
+
+    def attend_written_ring(self, layer_idx: int, new_tokens: int) -> tuple:
+        """`attention_keys`' result for a step whose keys and values a kernel wrote (`step_key_value_ring`): the
+        host-side count updated as there, the whole ring attended."""
+        layer = self.layers[layer_idx]
+        layer.count(new_tokens, self.attend_length)
+        return layer.whole_ring()
 
     def advance(self, new_tokens: int) -> None:
         """Counts tokens that a replayed graph wrote (its Python bookkeeping does not run)."""

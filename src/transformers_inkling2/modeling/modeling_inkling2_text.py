@@ -249,23 +249,13 @@ class Inkling2Attention(nn.Module):
         query_states, gate, relative_states, sinks, key_states, value_states = self.projections(
             query_input, key_input, value_input
         )
-        if self.is_sliding:
-            keys = self.k_sconv(key_states, token_mask, cache, query_positions)
-            values = self.v_sconv(value_states, token_mask, cache, query_positions)
-        else:
-            keys = self.k_sconv(key_states, key_input, token_mask, cache, query_positions)
-            values = self.v_sconv(value_states, value_input, token_mask, cache, query_positions)
-
-        keys = l2_clip(keys.view(batch, length, -1, self.head_dim).float(), self.config.qk_l2_clip_threshold)
-        keys = keys.to(dtype).transpose(1, 2)
-        values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
-        values = values.to(dtype).transpose(1, 2)
-
-        key_positions, key_padding, in_order, block_table = query_positions, attention_mask, True, None
-        if cache is not None:
-            keys, values, key_positions, key_padding, in_order, block_table = cache.attention_keys(
-                self.layer_idx, keys, values, query_positions, attention_mask
-            )
+        states = (key_states, value_states, key_input, value_input, token_mask, cache, query_positions, attention_mask)
+        # a sliding layer's decode step may convolve, clip / normalize and cache its keys and values in one kernel
+        fused = KERNELS.optional("key_value_step")
+        attended = None if fused is None else fused(self, *states)
+        if attended is None:
+            attended = self.attended_keys(*states)
+        keys, values, key_positions, key_padding, in_order, block_table = attended
         probabilities = [] if output_attentions else None
         inputs = dict(
             sinks=sinks.transpose(1, 2),
@@ -292,6 +282,31 @@ class Inkling2Attention(nn.Module):
         if output is None:
             output = self.gated_attention(*args, dtype=dtype, **inputs)
         return self.o_proj(output), probabilities[0] if probabilities else None
+
+    def attended_keys(
+        self, key_states, value_states, key_input, value_input, token_mask, cache, query_positions, attention_mask
+    ) -> tuple:
+        """What the step attends to, from the raw k / v projections [batch, T, kv_heads * head_dim]: keys convolved
+        and L2-clipped, values convolved and RMS-normalized, both in the projections' dtype, [batch, kv_heads, T,
+        head_dim]; through the cache when there is one (written, then read back with the cached tokens). Returns
+        (keys, values, key positions, key padding, whether the key positions ascend contiguously, block table or
+        None) as `cache.attention_keys` does."""
+        batch, length, _ = key_states.shape
+        dtype = key_input.dtype  # the layer's inputs' (the three share it)
+        if self.is_sliding:
+            keys = self.k_sconv(key_states, token_mask, cache, query_positions)
+            values = self.v_sconv(value_states, token_mask, cache, query_positions)
+        else:
+            keys = self.k_sconv(key_states, key_input, token_mask, cache, query_positions)
+            values = self.v_sconv(value_states, value_input, token_mask, cache, query_positions)
+
+        keys = l2_clip(keys.view(batch, length, -1, self.head_dim).float(), self.config.qk_l2_clip_threshold)
+        keys = keys.to(dtype).transpose(1, 2)
+        values = rms_normalize(values.view(batch, length, -1, self.head_dim), self.config.rms_norm_eps)
+        values = values.to(dtype).transpose(1, 2)
+        if cache is None:
+            return keys, values, query_positions, attention_mask, True, None
+        return cache.attention_keys(self.layer_idx, keys, values, query_positions, attention_mask)
 
     def gated_attention(self, backend, query_states, relative_states, gate, tau, keys, values, dtype, **inputs):
         """The attention output before `o_proj`, [batch, T, heads * head_dim] in `dtype` (the layer input's): queries

@@ -107,6 +107,7 @@ def _register_fast_paths() -> None:
     KERNELS.register("top_k_routing", f"{_PACKAGE}.backends.routing:top_k_routing")
     KERNELS.register("relative_logits_layout", f"{_PACKAGE}.backends.attention.relative_logits:aligned_product")
     KERNELS.register("attention_step", f"{_PACKAGE}.backends.attention.step:fused_attention_step")
+    KERNELS.register("key_value_step", f"{_PACKAGE}.backends.key_value_step:fused_key_value_step")
     quantized = f"{_PACKAGE}.quantization.checkpoints"
     LOADING_HOOKS.register("expert_storage", f"{quantized}:attach_expert_quantization", stage="config")
     LOADING_HOOKS.register("bundled_drafter", f"{_PACKAGE}.dspark.checkpoints:load_bundled_drafter", stage="model")

@@ -45,6 +45,7 @@ from transformers_inkling2.backends.attention.flex import (  # noqa: E402
 from transformers_inkling2.backends.attention.relative_logits import aligned_product  # noqa: E402
 from transformers_inkling2.backends.convolution import fused_prompt_convolution  # noqa: E402
 from transformers_inkling2.backends.kernel_loading import CHECKOUT_KERNEL, moe_kernel  # noqa: E402
+from transformers_inkling2.cache.common import MAX_STEP_TOKENS  # noqa: E402
 
 MODEL = Inkling2TextConfig()  # the defaults are Inkling-2-Small's sizes
 HOPPER, BLACKWELL, BLACKWELL_ULTRA, RTX_BLACKWELL, AMPERE = (9, 0), (10, 0), (10, 3), (12, 0), (8, 0)
@@ -202,7 +203,7 @@ def attention_calls() -> None:
     verification step of 8 queries."""
     for window in (MODEL.sliding_window, None):
         inkling2_triton_attention(**attention_inputs(PROMPT_TOKENS, PROMPT_TOKENS, prompt=True), sliding_window=window)
-    ring = MODEL.sliding_window - 1 + 8  # sliding_window - 1 + MAX_STEP_TOKENS slots
+    ring = MODEL.sliding_window - 1 + MAX_STEP_TOKENS
     inkling2_decode_attention(**attention_inputs(1, ring, padded=True), sliding_window=MODEL.sliding_window)
     inkling2_decode_attention(**attention_inputs(1, 4096), sliding_window=None)
     inkling2_decode_attention(**attention_inputs(8, ring, padded=True), sliding_window=MODEL.sliding_window)
@@ -265,6 +266,25 @@ def step_convolution_calls() -> None:
         step_convolution(x, mask, ring, *slots, torch.empty(tokens, dtype=torch.int64), weight, kernel_size**0.5)
 
 
+def key_value_step_calls() -> None:
+    """A sliding layer's step keys and values computed and cached (`key_value_kernel.key_value_step`, as
+    `fused_key_value_step` calls it): one token with and without a padding mask, a DSpark verification step of 8."""
+    from transformers_inkling2.backends.key_value_kernel import key_value_step
+
+    kernel_size, kv_heads, head_dim = MODEL.conv_kernel_size, MODEL.swa_num_key_value_heads, MODEL.swa_head_dim
+    width, history, slots = kv_heads * head_dim, kernel_size - 1, MODEL.sliding_window - 1 + MAX_STEP_TOKENS
+    for tokens, mask in ((1, None), (1, torch.ones(1, 1, dtype=torch.int64)), (8, torch.ones(1, 8, dtype=torch.int64))):
+        states = torch.empty(1, tokens, width, dtype=torch.bfloat16)
+        rings = [torch.empty(1, width, history + MAX_STEP_TOKENS) for _ in range(2)]
+        step = (torch.empty(history, dtype=torch.int64), torch.empty(history, dtype=torch.bool))
+        weights = [torch.empty(width, kernel_size) for _ in range(2)]
+        cached = [torch.empty(1, kv_heads, slots, head_dim, dtype=torch.bfloat16) for _ in range(2)]
+        ring_slots = torch.empty(tokens, dtype=torch.int64)
+        key_value_step(states, states, mask, *rings, *step, ring_slots, *weights, math.sqrt(kernel_size + 1),
+                       MODEL.qk_l2_clip_threshold, MODEL.rms_norm_eps, *cached, torch.empty(1, slots, dtype=torch.bool),
+                       torch.empty(slots, dtype=torch.int64), ring_slots, ring_slots)  # fmt: skip
+
+
 def router_calls() -> None:
     """A decode step's router (`router_kernel.top_k_routing`), one and 16 rows."""
     from transformers_inkling2.backends.router_kernel import top_k_routing
@@ -299,6 +319,7 @@ def recorded(tmp_path_factory) -> dict[tuple[int, int], tuple[list[Launch], set[
             attention_calls()
             convolution_calls()
             step_convolution_calls()
+            key_value_step_calls()
             projection_calls()
             router_calls()
         result[capability] = launches, {call.args[5] for call in reference.call_args_list}

@@ -1,10 +1,12 @@
 """Run by `test_fused_step_parallel.py` under `torchrun --nproc_per_node 2` (gloo, CPU) with `TRITON_INTERPRET=1`:
-the fused decode attention step (`backends/attention/step.py`) on each rank's block of heads, against the same
-rank's steps without it and against the single-process model.
+the fused decode attention step (`backends/attention/step.py`) and the fused key/value step
+(`backends/key_value_step.py`) on each rank's block of heads, against the same rank's steps without them and against
+the single-process model.
 
 Usage: TRITON_INTERPRET=1 torchrun --nproc_per_node 2 tests/parallel/fused_step_worker.py CHECKPOINT REPORT.json
 Every rank loads the checkpoint split over the ranks (`tp_plan="auto"`) and runs a prefill and decode / verification
-steps over the static cache, with `INKLING2_FUSED_ATTENTION_STEP` on and off; rank 0 also runs the unsplit model.
+steps over the static cache, with `INKLING2_FUSED_ATTENTION_STEP` and `INKLING2_FUSED_KEY_VALUE_STEP` on and off;
+rank 0 also runs the unsplit model.
 Rank 0 writes every rank's report; the test reads it.
 """
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from rank_report import COLLECTIVE_TIMEOUT, write_every_ranks_report
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache
+from transformers_inkling2.backends import key_value_kernel, key_value_step
 from transformers_inkling2.backends.attention import decode_kernel, step
 
 STEP_TOKENS = (1, 3, 1, 8, 1)  # decode steps and verification steps
@@ -43,24 +46,32 @@ def largest_difference(actual: list[torch.Tensor], expected: list[torch.Tensor])
     return max(((a - e).norm() / e.norm()).item() for a, e in zip(actual, expected, strict=True))
 
 
+def counting_calls(module, name: str) -> list:
+    """Wraps `module.name` so that every call appends to the returned list."""
+    calls, original = [], getattr(module, name)
+    setattr(module, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
 def main(checkpoint: Path, report_file: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     split = Inkling2ForCausalLM.from_pretrained(checkpoint, tp_plan="auto")
-    calls = []
-    original = decode_kernel.decode_attention_step
-    decode_kernel.decode_attention_step = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
-    os.environ[step.ENV] = "1"
+    attention_calls = counting_calls(decode_kernel, "decode_attention_step")
+    key_value_calls = counting_calls(key_value_kernel, "key_value_step")
+    switches = (step.ENV, key_value_step.ENV)
+    os.environ.update(dict.fromkeys(switches, "1"))
     fused = step_logits(split)
-    fused_calls = len(calls)
-    os.environ[step.ENV] = "0"
+    fused_calls = {"attention": len(attention_calls), "key_value": len(key_value_calls)}
+    os.environ.update(dict.fromkeys(switches, "0"))
     plain = step_logits(split)
     single = [step_logits(Inkling2ForCausalLM.from_pretrained(checkpoint)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(single, src=0)
     report = {
         "world_size": dist.get_world_size(),
         "local_heads": split.model.layers[0].self_attn.q_l2_clip.scale.to_local().shape[0],
-        "fused_calls": fused_calls,
+        "fused_calls": fused_calls["attention"],
+        "key_value_calls": fused_calls["key_value"],
         "to_plain_split": largest_difference(fused, plain),
         "to_single_process": largest_difference(fused, single[0]),
         "plain_split_to_single_process": largest_difference(plain, single[0]),

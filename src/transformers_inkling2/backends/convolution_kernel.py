@@ -104,6 +104,29 @@ def _step_context(i, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows,
 
 
 @triton.jit
+def _step_sum(x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs, taps, stride_wk, history_slots_ptr,
+              history_held_ptr, write_slots_ptr, chan_ok, divisor, TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr,
+              HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A step's convolution over a tile's channels (x_rows, ring_rows, taps: [1, BLOCK_C] pointers to the batch
+    row's channels and their weights): (out [BLOCK_T, BLOCK_C] = (sum_j context[t + j] weight[j] + x[t]) / divisor
+    in fp32, the step's masked inputs that go into the ring, their ring slots). Loads only: the caller stores, after
+    releasing its successor."""
+    tokens = tl.arange(0, BLOCK_T)
+    token_ok = tokens < TOKENS
+    rows = _step_context(tokens, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
+                         history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
+    acc = rows * tl.load(taps, mask=chan_ok, other=0.0)
+    for tap in tl.static_range(1, KERNEL_SIZE):
+        rows = _step_context(tokens + tap, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
+                             history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
+        acc = acc + rows * tl.load(taps + tap * stride_wk, mask=chan_ok, other=0.0)
+    # the last tap's rows (offset k - 1 = the history's length) are the step's own masked inputs: the ring's new ones
+    x = tl.load(x_rows + tokens[:, None] * stride_xt, mask=token_ok[:, None] & chan_ok, other=0.0)
+    write = tl.load(write_slots_ptr + tokens, mask=token_ok, other=0)
+    return tl.div_rn(acc + x.to(tl.float32), divisor), rows, write
+
+
+@triton.jit
 def _step_convolution_kernel(
     x_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr, weight_ptr, out_ptr, channels,
     divisor, stride_xb, stride_xt, stride_xc, stride_mb, stride_mt, stride_rb, stride_rc, stride_rs, stride_wc,
@@ -116,25 +139,16 @@ def _step_convolution_kernel(
     wait_for_predecessor(PDL)
     b = tl.program_id(1).to(tl.int64)
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tokens = tl.arange(0, BLOCK_T)
-    chan_ok, token_ok = (chans < channels)[None, :], tokens < TOKENS
-    ok = token_ok[:, None] & chan_ok
+    chan_ok = (chans < channels)[None, :]
     x_rows = x_ptr + b * stride_xb + chans[None, :] * stride_xc
     ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
-    mask_row = mask_ptr + b * stride_mb
-    taps = weight_ptr + chans[None, :] * stride_wc
-    rows = _step_context(tokens, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
-                         history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
-    acc = rows * tl.load(taps, mask=chan_ok, other=0.0)
-    for tap in tl.static_range(1, KERNEL_SIZE):
-        rows = _step_context(tokens + tap, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
-                             history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
-        acc = acc + rows * tl.load(taps + tap * stride_wk, mask=chan_ok, other=0.0)
-    # the last tap's rows (offset k - 1 = the history's length) are the step's own masked inputs: the ring's new ones
-    x = tl.load(x_rows + tokens[:, None] * stride_xt, mask=ok, other=0.0)
-    write = tl.load(write_slots_ptr + tokens, mask=token_ok, other=0)
+    out, rows, write = _step_sum(x_rows, stride_xt, mask_ptr + b * stride_mb, stride_mt, ring_rows, stride_rs,
+                                 weight_ptr + chans[None, :] * stride_wc, stride_wk, history_slots_ptr,
+                                 history_held_ptr, write_slots_ptr, chan_ok, divisor, TOKENS, KERNEL_SIZE, HAS_MASK,
+                                 BLOCK_T)
     release_successor(PDL)
-    out = tl.div_rn(acc + x.to(tl.float32), divisor)
+    tokens = tl.arange(0, BLOCK_T)
+    ok = (tokens < TOKENS)[:, None] & chan_ok
     tl.store(out_ptr + (b * TOKENS + tokens[:, None]) * channels + chans[None, :], out.to(out_ptr.dtype.element_ty),
              mask=ok)
     tl.store(ring_rows + write[:, None] * stride_rs, rows, mask=ok)

@@ -83,7 +83,7 @@ def _key_block(k_ptr, v_ptr, bt_row_ptr, b, kv_head, k0, stride_kb, stride_kh, s
 
 
 @triton.jit
-def _l2_clipped(x, threshold):
+def l2_clipped(x, threshold):
     """Rows of x [R, N] fp32 scaled down to L2 norm `threshold` where longer: `modeling_inkling2_text.l2_clip`'s
     formula, with a correctly rounded square root and division."""
     norm = tl.sqrt_rn(tl.sum(x * x, 1))
@@ -94,7 +94,7 @@ def _l2_clipped(x, threshold):
 def _step_rows(raw, scale, threshold, tau):
     """A step's raw query rows or relative states [R, N] (the projection's output) after the reference's per-head
     scale, L2 clip and log scale (`tau` [R], 1 in sliding layers), rounded to the raw dtype as the model rounds them."""
-    return (_l2_clipped(raw.to(tl.float32) * scale.to(tl.float32), threshold) * tau[:, None]).to(raw.dtype)
+    return (l2_clipped(raw.to(tl.float32) * scale.to(tl.float32), threshold) * tau[:, None]).to(raw.dtype)
 
 
 @triton.jit

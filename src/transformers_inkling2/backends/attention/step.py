@@ -50,23 +50,26 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
+def kernel_runs_on(tensor: torch.Tensor) -> bool:
     """CUDA, or any tensor under Triton's interpreter (`TRITON_INTERPRET=1`: the kernels run on CPU tensors there,
     which is how the CPU tests check the model's steps through them)."""
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _plain(module: nn.Module, kind: type) -> bool:
+def plain_module(module: nn.Module, kind: type) -> bool:
+    """Whether `module` is exactly this package's `kind`, without hooks: what a kernel that reads its parameters in
+    place of calling it computes the same as it."""
     return type(module) is kind and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def runs_fused(attention: nn.Module, backend, query_states: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether `fused_attention_step` takes this call (see the module docstring); query_states [B, Q, H, D], key
     [B, Hkv, K, D] or page pools."""
-    if not enabled() or backend not in DECODE_KERNEL_BACKENDS or not _kernel_runs_on(query_states):
+    if not enabled() or backend not in DECODE_KERNEL_BACKENDS or not kernel_runs_on(query_states):
         return False
     clips, bank = (attention.q_l2_clip, attention.rel_l2_clip), attention.rel_logits_proj
-    if not all(_plain(clip, Inkling2ScaledL2Clip) for clip in clips) or not _plain(bank, Inkling2RelativeLogits):
+    plain = all(plain_module(clip, Inkling2ScaledL2Clip) for clip in clips)
+    if not plain or not plain_module(bank, Inkling2RelativeLogits):
         return False
     d_rel = attention.config.d_rel  # a power of two: the kernel's tl.arange over it
     if query_states.shape[1] > MAX_STEP_TOKENS or d_rel & (d_rel - 1):
@@ -115,4 +118,12 @@ def fused_attention_step(
     )
 
 
-__all__ = ["DECODE_KERNEL_BACKENDS", "ENV", "enabled", "fused_attention_step", "runs_fused"]
+__all__ = [
+    "DECODE_KERNEL_BACKENDS",
+    "ENV",
+    "enabled",
+    "fused_attention_step",
+    "kernel_runs_on",
+    "plain_module",
+    "runs_fused",
+]

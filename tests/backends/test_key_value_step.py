@@ -1,0 +1,312 @@
+"""The fused key/value step (`key_value_kernel.key_value_step`, taken through `backends/key_value_step.py`): a sliding
+layer's step keys and values convolved, clipped / normalized and written into the static cache in one launch.
+
+Against the reference (`Inkling2Attention.attended_keys`) on a second cache fed the same steps: the attention ring's
+keys and values (fp32 relative error <= 1e-5; bf16 within two ulps, the interpreter's fp32 -> bf16 cast truncating
+where PyTorch rounds), its validity and positions and both convolution rings equal, and the same tuple handed to
+attention. Small on CPU under Triton's interpreter, at full size on a GPU (marked `gpu`). Then whole decode and
+verification steps of a tiny model with the step switched on and off (and together with the fused attention step).
+The model takes it only when `INKLING2_FUSED_KEY_VALUE_STEP=1`, and on CPU only under the interpreter.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from unittest import mock
+
+import pytest
+import torch
+from inkling2_helpers import (
+    ORACLE_TEXT_CONFIG,
+    build_pair,
+    call_under_triton_interpreter,
+    cast_keeping_fp32_modules,
+    left_padded_batch,
+    needs_triton,
+    run_steps,
+    set_environment,
+    switched_step_differences,
+)
+from test_decode_kernel_rows import relative_error
+
+from transformers_inkling2 import Inkling2Cache, Inkling2StaticCache, Inkling2TextConfig
+from transformers_inkling2.backends import key_value_step
+from transformers_inkling2.cache.common import K_CONV, V_CONV
+from transformers_inkling2.configuration_inkling2 import SLIDING_LAYER
+from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2Attention
+
+FP32_BOUND = 1e-5
+PROMPT, STEP_TOKENS = 11, (1, 3, 1, 8, 2, 1)  # the attention ring (8 - 1 + 8 slots) wraps within these
+
+
+def sliding_attention(config: Inkling2TextConfig, seed: int, device: str) -> Inkling2Attention:
+    """Layer 0 (sliding) of `config`, with random convolution weights (the model's start at the identity's)."""
+    generator = torch.Generator().manual_seed(seed)
+    attention = Inkling2Attention(config, layer_idx=0)
+    for convolution in (attention.k_sconv, attention.v_sconv):
+        convolution.conv1d.weight.data = torch.randn(convolution.conv1d.weight.shape, generator=generator) * 0.5
+    return attention.to(device).requires_grad_(False)
+
+
+def within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int) -> bool:
+    """|actual - expected| <= ulps units in the last place of expected's dtype, at expected's magnitude."""
+    spacing = torch.finfo(expected.dtype).eps * expected.float().abs() + torch.finfo(expected.dtype).tiny
+    return bool(((actual.float() - expected.float()).abs() <= ulps * spacing).all())
+
+
+def clipped_keys(layer, positions: torch.Tensor, threshold: float) -> list[int]:
+    """[keys the step wrote at the clip's threshold, keys it wrote] (padding included) in the layer's ring."""
+    norms = layer.keys.float()[:, :, positions.remainder(layer.capacity)].norm(dim=-1)
+    return [int((norms > threshold * (1 - 1e-3)).sum()), norms.numel()]
+
+
+def hands_its_whole_ring(attended: tuple, layer) -> bool:
+    """Whether `attended` (what the step attends to) is the layer's whole ring, as a sliding layer's step hands it."""
+    buffers = (layer.keys, layer.values, layer.slot_positions, layer.key_valid)
+    return all(a is b for a, b in zip(attended[:4], buffers, strict=True)) and attended[4:] == (False, None)
+
+
+@mock.patch.dict(os.environ, {key_value_step.ENV: "1"})
+def cache_comparison(dtype=torch.float32, device="cpu", config_fields=None, seed=0) -> list[dict]:
+    """A prompt (both caches through the reference), then STEP_TOKENS steps of 2 rows with fresh random k / v
+    projections (padding in some): the reference on one static cache, `fused_key_value_step` on the other. Per step:
+    the attention rings' keys / values error, whether their validity, positions, convolution rings, host-side counts
+    and the tuples handed to attention agree."""
+    fields = {**ORACLE_TEXT_CONFIG, **(config_fields or {})}
+    # about the keys' median norm, so that about half of them are clipped: each convolved channel below has variance
+    # (k taps of variance 0.25 x 4, plus the residual's 4) / (k + 1)
+    k = fields.get("conv_kernel_size", Inkling2TextConfig.conv_kernel_size)
+    fields["qk_l2_clip_threshold"] = ((k + 4) / (k + 1) * fields["swa_head_dim"]) ** 0.5
+    config = Inkling2TextConfig(**fields)
+    attention = sliding_attention(config, seed, device)
+    generator = torch.Generator().manual_seed(seed + 1)
+    width = config.swa_num_key_value_heads * config.swa_head_dim
+    reference, fused = (Inkling2StaticCache(config, max_cache_len=64) for _ in range(2))
+    results, start = [], 0
+    for length in (PROMPT, *STEP_TOKENS):
+        states = [(torch.randn(2, length, width, generator=generator) * 2).to(device, dtype) for _ in range(2)]
+        mask = None if length % 3 else (torch.rand(2, length, generator=generator) > 0.3).to(device)
+        positions = torch.arange(start, start + length, device=device)
+        for cache in (reference, fused):
+            cache.begin_step(positions)
+        # a sliding layer reads only its inputs' dtype; the mask: the new tokens' (what a static cache's step takes)
+        inputs = (*states, *states, mask, reference, positions, mask)
+        expected = attention.attended_keys(*inputs)
+        if length == PROMPT:
+            attention.attended_keys(*inputs[:5], fused, positions, mask)
+        else:
+            got = key_value_step.fused_key_value_step(attention, *inputs[:5], fused, positions, mask)
+            expected_layer, got_layer = reference.layers[0], fused.layers[0]
+            rings = [(got_layer.conv_inputs[i], expected_layer.conv_inputs[i]) for i in (K_CONV, V_CONV)]
+            close = [relative_error(got_layer.keys, expected_layer.keys),
+                     relative_error(got_layer.values, expected_layer.values)]  # fmt: skip
+            ulps = [within_ulps(got_layer.keys, expected_layer.keys, 2),
+                    within_ulps(got_layer.values, expected_layer.values, 2)]  # fmt: skip
+            results.append(dict(
+                tokens=length,
+                errors=close,
+                within_two_ulps=ulps,
+                valid=torch.equal(got_layer.key_valid, expected_layer.key_valid),
+                positions=torch.equal(got_layer.slot_positions, expected_layer.slot_positions),
+                rings=all(torch.equal(a, b) for a, b in rings),
+                counts=got_layer.seen_tokens == expected_layer.seen_tokens,
+                handed=hands_its_whole_ring(got, got_layer) and hands_its_whole_ring(expected, expected_layer),
+                keys_written=bool(got_layer.keys.abs().sum() > 0),
+                clipped_keys=clipped_keys(expected_layer, positions, config.qk_l2_clip_threshold),
+            ))  # fmt: skip
+        start += length
+    return results
+
+
+def compiled_cache_comparison() -> list[dict]:
+    """`cache_comparison` with the op under `torch.compile` (its in-place writes through inductor's functionalization),
+    as the compiled decode steps call it."""
+    from transformers_inkling2.backends import key_value_kernel
+
+    original = key_value_kernel.key_value_step
+    key_value_kernel.key_value_step = torch.compile(original, fullgraph=True)
+    try:
+        return cache_comparison(torch.float32, seed=3)
+    finally:
+        key_value_kernel.key_value_step = original
+
+
+def interpreter_cache_comparisons() -> dict:
+    return {
+        "fp32, compiled": compiled_cache_comparison(),
+        "fp32": cache_comparison(torch.float32),
+        "bf16": cache_comparison(torch.bfloat16, seed=1),
+        "fp32, head_dim 32, 3 kv heads, k=2": cache_comparison(
+            torch.float32, config_fields=dict(swa_head_dim=32, swa_num_key_value_heads=3, swa_num_attention_heads=6,
+                                              conv_kernel_size=2), seed=2),  # fmt: skip
+    }
+
+
+def model_step_differences(device: str = "cpu", with_attention_step: bool = False) -> dict:
+    """A tiny model's steps over the static cache with the fused key/value step switched on (and, with
+    `with_attention_step`, the fused attention step too) and off (`switched_step_differences`)."""
+    from transformers_inkling2.backends import key_value_kernel
+    from transformers_inkling2.backends.attention import step
+
+    switches = [key_value_step.ENV] + ([step.ENV] if with_attention_step else [])
+    return switched_step_differences(switches, key_value_kernel, "key_value_step", device)
+
+
+def model_step_differences_with_both_steps() -> dict:
+    return model_step_differences(with_attention_step=True)
+
+
+class CountedLaunches:
+    """Stands in for a Triton kernel in its module, counting its launches by the value of one launch option: the
+    launches inside a custom op happen at run time, also in a compiled graph (which a Python wrapper of the op would
+    only see while tracing)."""
+
+    def __init__(self, module, name: str, option: str):
+        self.module, self.name, self.option = module, name, option
+        self.kernel, self.counts = getattr(module, name), collections.Counter()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counts[str(kwargs[self.option])] += 1
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+    def __enter__(self):
+        setattr(self.module, self.name, self)
+        return self.counts
+
+    def __exit__(self, *exc_info):
+        setattr(self.module, self.name, self.kernel)
+
+
+def compiled_steps_with_both_fused_steps() -> dict:
+    """bf16 decode steps through the decode-step runner's compiled step (`fullgraph=True`, backend "eager", recompiles
+    an error) with both fused steps switched on, against the same steps run eagerly: the largest relative difference
+    of the logits, and the compiled steps' launches of the key/value kernel and of the decode kernel with (True) and
+    without the fused attention step's prologue. Both fused paths must trace whole for the compiled decode steps to
+    take them."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    from transformers_inkling2 import Inkling2DecodeGraphs
+    from transformers_inkling2.backends import key_value_kernel
+    from transformers_inkling2.backends.attention import decode_kernel, step
+
+    model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)  # `torch._grouped_mm` takes bf16 only
+    input_ids, attention_mask = left_padded_batch(seed=6)
+    steps = [1] * 4
+    with mock.patch.dict(os.environ, {step.ENV: "1", key_value_step.ENV: "1"}):
+        cache = Inkling2StaticCache(model.config, max_cache_len=64)
+        expected = run_steps(model, cache, input_ids, attention_mask, steps)
+        torch._dynamo.reset()
+        compile_config = CompileConfig(backend="eager", fullgraph=True)
+        runner = Inkling2DecodeGraphs(model, use_cuda_graphs=False, min_bucket=64, compile_config=compile_config)
+        cache = Inkling2StaticCache(model.config, max_cache_len=64)
+        with (
+            torch._dynamo.config.patch(error_on_recompile=True),
+            CountedLaunches(key_value_kernel, "_key_value_step_kernel", "HEAD_DIM") as key_value,
+            CountedLaunches(decode_kernel, "_decode_partial_kernel", "PREPARE") as attention,
+        ):
+            actual = run_steps(model, cache, input_ids, attention_mask, steps, forward=runner)
+    difference = max(relative_error(a, e) for a, e in zip(actual, expected, strict=True))
+    return dict(difference=difference, key_value_launches=sum(key_value.values()), attention_launches=attention)
+
+
+def assert_caches_agree(results: list[dict], bound: float | None) -> None:
+    assert [result["tokens"] for result in results] == list(STEP_TOKENS)
+    clipped, written = (sum(result["clipped_keys"][i] for result in results) for i in (0, 1))
+    assert 0.2 < clipped / written < 0.8, (clipped, written)  # both sides of the clip
+    for result in results:
+        assert result["valid"] and result["positions"] and result["rings"] and result["counts"], result
+        assert result["handed"] and result["keys_written"], result
+        if bound is None:
+            assert all(result["within_two_ulps"]), result
+        else:
+            assert max(result["errors"]) <= bound, result
+
+
+@needs_triton
+def test_key_value_step_under_the_triton_interpreter_writes_the_reference_cache():
+    """Steps of 1-8 tokens after a prompt, padding in some, the rings wrapping; fp32 and bf16; two head shapes and
+    kernel sizes; the op compiled."""
+    results = call_under_triton_interpreter(interpreter_cache_comparisons)
+    assert len(results) == 4
+    assert_caches_agree(results["fp32"], FP32_BOUND)
+    assert_caches_agree(results["fp32, compiled"], FP32_BOUND)
+    assert_caches_agree(results["fp32, head_dim 32, 3 kv heads, k=2"], FP32_BOUND)
+    assert_caches_agree(results["bf16"], None)
+
+
+@needs_triton
+@pytest.mark.parametrize("function", [model_step_differences, model_step_differences_with_both_steps])
+def test_model_steps_with_the_fused_key_value_step_equal_the_reference_steps(function):
+    results = call_under_triton_interpreter(function)
+    # every decode and verification step of the 10 sliding layers took it (6 steps); the prefill did not
+    assert results["calls"] == 10 * 6
+    assert results["prefill"] == 0
+    assert results["difference"] <= FP32_BOUND
+
+
+@needs_triton
+def test_compiled_decode_steps_take_both_fused_steps_whole():
+    results = call_under_triton_interpreter(compiled_steps_with_both_fused_steps)
+    # four one-token steps (the prompt runs eagerly): every sliding layer's (10) and every layer's (12) fused
+    assert results["key_value_launches"] == 10 * 4
+    assert results["attention_launches"] == {"True": 12 * 4}
+    assert results["difference"] == 0  # the same kernels as the eager steps, in the same order
+
+
+@pytest.mark.parametrize("switch, interpreter", [("1", None), ("0", "1"), (None, "1")])
+def test_the_step_is_not_fused_when_switched_off_or_on_cpu(monkeypatch, switch, interpreter):
+    """Switched on, a CPU call without the interpreter keeps the reference; switched off (the default), so does a call
+    the interpreter could run."""
+    set_environment(monkeypatch, {key_value_step.ENV: switch, "TRITON_INTERPRET": interpreter})
+    config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
+    states = torch.zeros(1, 1, 32)
+    cache = Inkling2StaticCache(config, max_cache_len=16)
+    assert not key_value_step.runs_fused(sliding_attention(config, 0, "cpu"), states, states, cache)
+
+
+def test_only_sliding_layers_over_the_static_cache_take_it(monkeypatch):
+    """Switched on under the interpreter: a full layer, the dynamic cache, a chunk longer than a step and a step longer
+    than the cache's ring takes keep the reference."""
+    monkeypatch.setenv(key_value_step.ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
+    full_layer = next(i for i, kind in enumerate(config.layer_types) if kind != SLIDING_LAYER)
+    full = Inkling2Attention(config, layer_idx=full_layer)
+    sliding = sliding_attention(config, 0, "cpu")
+    states, longer = torch.zeros(1, 1, 32), torch.zeros(1, 17, 32)
+    static = Inkling2StaticCache(config, max_cache_len=64)
+    assert key_value_step.runs_fused(sliding, states, states, static)
+    assert not key_value_step.runs_fused(full, states, states, static)
+    assert not key_value_step.runs_fused(sliding, states, states, Inkling2Cache(config))
+    assert not key_value_step.runs_fused(sliding, longer, longer, static)
+    narrow = Inkling2StaticCache(config, max_cache_len=64, max_queries=2)  # the ring holds steps of 2 queries
+    cache_like = torch.zeros(1, 2, 3, 16)  # [batch, kv heads, T, head_dim]
+    assert narrow.step_key_value_ring(0, cache_like, cache_like, torch.arange(3)) is None
+
+
+# --- GPU: full size, bf16 and fp32 ---------------------------------------------------------------------------------
+
+FULL_SLIDING = dict(hidden_size=4608, swa_num_attention_heads=48, swa_num_key_value_heads=8, swa_head_dim=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_key_value_step_full_size(dtype):
+    """8 kv heads of 128 (the model's sliding layers), against the reference on the GPU: fp32 within 1e-5, bf16
+    within two ulps (both round to nearest there)."""
+    with torch.no_grad():
+        results = cache_comparison(dtype, device="cuda", config_fields=FULL_SLIDING, seed=5)
+    assert_caches_agree(results, FP32_BOUND if dtype == torch.float32 else None)
+
+
+@pytest.mark.gpu
+def test_gpu_model_steps_with_the_fused_key_value_step_equal_the_reference_steps():
+    results = model_step_differences("cuda")
+    assert results["calls"] == 10 * 6
+    assert results["prefill"] == 0
+    assert results["difference"] <= 1e-4  # fp32 on a GPU: the other kernels' sums in another order

@@ -37,9 +37,11 @@
 `--compare SETTING ...` (with `--per-layer`, instead of the slope): one decode step of each variant's 6-layer slice
 captured once per setting and the captures timed in interleaved rounds (a change of a few launches is smaller than
 the slope's run-to-run spread). A setting is `base` (as the package runs), `NAME=VALUE` in capitals (an environment
-switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that capture's steps run) or `key=value` (an inductor
-option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=True`). Reports step ms (median, range over
-the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting; `decode_compare.md`.
+switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that setting's runner is built and its steps run),
+`key=value` (an inductor option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=True`), or several
+of those joined by commas (`INKLING2_FUSED_ATTENTION_STEP=1,INKLING2_FUSED_KEY_VALUE_STEP=1`). Reports step ms
+(median, range over the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting;
+`decode_compare.md`.
 
 `--inductor-config KEY=VALUE ...` sets `torch._inductor.config` entries (dotted keys reach its sub-configs; True /
 False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps.
@@ -387,37 +389,54 @@ def parsed_value(text: str):
     return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
 
 
+def setting_parts(setting: str) -> tuple[dict, dict]:
+    """(environment switches, inductor options) of a `--compare` setting: `base`, or `NAME=VALUE` / `key=value`
+    items joined by commas."""
+    switches, options = {}, {}
+    for item in [] if setting == "base" else setting.split(","):
+        name, equals, value = item.partition("=")
+        if not (name and equals):
+            raise ValueError(f"{item!r} in --compare {setting!r} is not NAME=VALUE or key=value")
+        if name.isupper():
+            switches[name] = value
+        else:
+            options[name] = parsed_value(value)
+    return switches, options
+
+
 @contextlib.contextmanager
-def environment_set(name: str, value: str):
-    before = os.environ.get(name)
-    os.environ[name] = value
+def environment_set(switches: dict):
+    before = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def compared_step(model, batch: int, context: int, setting: str):
     """(step, first logits): one decode step of `model` captured under `setting` (see `--compare`); an environment
-    switch stays set during every call of the step, so that a capture the runner makes later sees it too."""
+    switch is set while the runner is built (it picks inductor's options then) and during every call of the step, so
+    that a capture the runner makes later sees it too."""
     from transformers import CompileConfig
 
     from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
 
-    name, _, value = setting.partition("=")
-    environment_switch = setting != "base" and name.isupper()
-    options = {} if setting == "base" or environment_switch else {name: parsed_value(value)}
+    switches, options = setting_parts(setting)
     # room for every round's steps without a new bucket (a new capture) for the full layers
     cache = Inkling2StaticCache(model.config, context + 1024, batch)
     generator = torch.Generator(device=DEVICE).manual_seed(batch)
     ids = torch.randint(0, 8000, (batch, context), device=DEVICE, generator=generator)
-    runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig(options=options or None))
+
+    with environment_set(switches):
+        runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig(options=options or None))
 
     def step():
-        with environment_set(name, value) if environment_switch else contextlib.nullcontext():
+        with environment_set(switches):
             return runner(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     torch._dynamo.reset()  # dynamo does not guard on the environment: this setting traces the step afresh
@@ -566,6 +585,14 @@ def main():
     parser.add_argument("--inductor-config", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config entries to set first, e.g. combo_kernels=True")
     args = parser.parse_args()
+    if args.compare and not args.per_layer:
+        sys.exit("--compare needs --per-layer VARIANT ...")
+    try:
+        for setting in args.compare or ():
+            setting_parts(setting)
+    except ValueError as error:
+        sys.exit(f"{error}: --compare takes base, NAME=VALUE (an environment switch), key=value (an inductor option) "
+                 "or several of those joined by commas")
     set_inductor_config(args.inductor_config)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")
@@ -574,10 +601,6 @@ def main():
     if args.quick:
         args.context = min(args.context, 1024)
     args.steps = 3 if args.quick else 8
-    if args.compare and not args.per_layer:
-        sys.exit("--compare needs --per-layer VARIANT ...")
-    if any(setting != "base" and "=" not in setting for setting in args.compare or ()):
-        sys.exit("--compare takes base, NAME=VALUE (an environment switch) or key=value (an inductor option)")
     if args.per_layer:
         args.steps = max(args.steps, 20)
         (compare_benchmark if args.compare else per_layer_benchmark)(args)

@@ -80,7 +80,8 @@ def fused_key_value_step(
         cache.step_convolution_ring(layer_idx, conv_idx, shape_only, kernel_size, query_positions)
         for conv_idx in (K_CONV, V_CONV)
     ]
-    cache_like = key_states.new_empty(batch, width // head_dim, length, head_dim)  # the attention ring's
+    # the attention ring's shape, in the dtype the reference caches keys in (the layer inputs')
+    cache_like = key_states.new_empty(batch, width // head_dim, length, head_dim, dtype=key_input.dtype)
     attention_ring = cache.step_key_value_ring(layer_idx, cache_like, cache_like, query_positions)
     if rings[0] is None or rings[1] is None or attention_ring is None:
         return None

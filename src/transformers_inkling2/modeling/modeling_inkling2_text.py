@@ -287,7 +287,7 @@ class Inkling2Attention(nn.Module):
         self, key_states, value_states, key_input, value_input, token_mask, cache, query_positions, attention_mask
     ) -> tuple:
         """What the step attends to, from the raw k / v projections [batch, T, kv_heads * head_dim]: keys convolved
-        and L2-clipped, values convolved and RMS-normalized, both in the projections' dtype, [batch, kv_heads, T,
+        and L2-clipped, values convolved and RMS-normalized, both in the layer inputs' dtype, [batch, kv_heads, T,
         head_dim]; through the cache when there is one (written, then read back with the cached tokens). Returns
         (keys, values, key positions, key padding, whether the key positions ascend contiguously, block table or
         None) as `cache.attention_keys` does."""

@@ -357,9 +357,9 @@ def set_environment(monkeypatch, values: dict) -> None:
 
 def switched_step_differences(switches: list[str], module, kernel: str, device: str = "cpu") -> dict:
     """A tiny model's prefill and decode / verification steps (`STEPS[:6]`: 1, 3, 1, 8, 1, 1 tokens, across the
-    window of 8) over the static cache with the environment `switches` set to "1", then to "0": the largest relative
-    difference of any forward's logits, the prefill's, and how many calls `module.kernel` took (the fused kernels'
-    entry points, counted by wrapping them)."""
+    window of 8, taking 3 tokens back after the 8, as a rejected draft does) over the static cache with the
+    environment `switches` set to "1", then to "0": the largest relative difference of any forward's logits, the
+    prefill's, and how many calls `module.kernel` took (the fused kernels' entry points, counted by wrapping them)."""
     model = build_pair(seed=3)[0].to(device)
     input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=4))
     calls, original = [], getattr(module, kernel)
@@ -369,7 +369,7 @@ def switched_step_differences(switches: list[str], module, kernel: str, device: 
         for switch in ("1", "0"):
             os.environ.update(dict.fromkeys(switches, switch))
             cache = Inkling2StaticCache(model.config, max_cache_len=64)
-            logits[switch] = run_steps(model, cache, input_ids, attention_mask, STEPS[:6])
+            logits[switch] = run_steps(model, cache, input_ids, attention_mask, STEPS[:6], crop_after=3)
     finally:
         setattr(module, kernel, original)
         for name in switches:

@@ -5,8 +5,9 @@ Against the reference (`Inkling2Attention.attended_keys`) on a second cache fed 
 keys and values (fp32 relative error <= 1e-5; bf16 within two ulps, the interpreter's fp32 -> bf16 cast truncating
 where PyTorch rounds), its validity and positions and both convolution rings equal, and the same tuple handed to
 attention. Small on CPU under Triton's interpreter, at full size on a GPU (marked `gpu`). Then whole decode and
-verification steps of a tiny model with the step switched on and off (and together with the fused attention step).
-The model takes it only when `INKLING2_FUSED_KEY_VALUE_STEP=1`, and on CPU only under the interpreter.
+verification steps of a tiny model with the step switched on and off (and together with the fused attention step),
+and the decode-step runner's compiled steps with both. The model takes it only when `INKLING2_FUSED_KEY_VALUE_STEP=1`,
+and on CPU only under the interpreter.
 """
 
 from __future__ import annotations

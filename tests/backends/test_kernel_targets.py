@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
@@ -31,7 +32,10 @@ import torch
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
+from triton import knobs  # noqa: E402
+from triton import language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from inkling2_helpers import on_mocked_gpu  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -425,8 +429,17 @@ DECODE_STEP_KERNELS = {
     "router_kernel._partial_logits_kernel",
     "router_kernel._top_k_kernel",
     "convolution_kernel._step_convolution_kernel",
+    "key_value_kernel._key_value_step_kernel",
     "decode_kernel._decode_partial_kernel",
     "decode_kernel._decode_merge_kernel",
+}
+# the expert kernels a decode step launches (the hub kernel's; plain launches)
+DECODE_EXPERT_KERNELS = {
+    "triton_kernels._route_and_convert_kernel",
+    "register_kernels._gate_up_kernel",
+    "triton_kernels._swiglu_kernel",  # after split reductions (sparse grids: the TP4-shaped layer)
+    "register_kernels._down_kernel",
+    "triton_kernels._combine_kernel",
 }
 
 
@@ -442,3 +455,53 @@ def test_the_decode_steps_kernels_launch_dependent_from_hopper_on(compiled, laun
     for arch in sorted(COMPILED_ON):
         for name in DECODE_STEP_KERNELS:
             assert all("griddepcontrol.wait" in kernel.asm["ptx"] for kernel in compiled(arch)[name]), (arch, name)
+
+
+# SASS of `cuobjdump -sass`: a branch (predicated or not) and its target, a local-memory load or store
+BRANCH = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
+LOCAL_ACCESS = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b")
+
+
+def local_accesses_in_loops(cubin: bytes, folder: Path) -> int:
+    """Local-memory loads and stores (spilled registers) inside the kernel's loops: the address ranges from a backward
+    branch's target to the branch, in the SASS that Triton's bundled cuobjdump reads from the cubin."""
+    path = folder / "kernel.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(path)], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    loops = [(int(target, 16), int(at, 16)) for at, target in BRANCH.findall(sass) if int(target, 16) <= int(at, 16)]
+    accesses = [int(at, 16) for at in LOCAL_ACCESS.findall(sass)]
+    return sum(any(start <= at <= end for start, end in loops) for at in accesses)
+
+
+def test_local_accesses_are_found_inside_loops_only(tmp_path):
+    """The SASS reading above on a kernel that spills on purpose (a [128, 128] fp32 tile carried through a loop by
+    one warp: 512 values a thread, past the 255 registers), and on one that does not."""
+
+    @triton.jit
+    def carried_tile_kernel(x_ptr, steps, N: tl.constexpr):
+        offsets = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+        tile = tl.load(x_ptr + offsets)
+        for _ in range(steps):
+            tile = tile * tile + 1.0
+        tl.store(x_ptr + offsets, tile)
+
+    def compiled(size: int) -> bytes:
+        source = ASTSource(carried_tile_kernel, {"x_ptr": "*fp32", "steps": "i32", "N": "constexpr"}, {"N": size})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["cubin"]
+
+    assert local_accesses_in_loops(compiled(128), tmp_path) > 0
+    assert local_accesses_in_loops(compiled(16), tmp_path) == 0
+
+
+@pytest.mark.parametrize("arch", sorted(COMPILED_ON))
+def test_the_decode_steps_kernels_keep_their_loops_in_registers(compiled, arch, tmp_path):
+    """A decode step's kernels take a few microseconds each: a register spilled inside a loop adds a local-memory
+    round trip to every iteration. (The fused attention step did, before its relative bias took one gather per query
+    and an MMA: 255 registers and up to 2,573 local accesses per kernel.) Every specialization the dispatch launches
+    on the model's sizes, decode and prefill alike."""
+    kernels = compiled(arch)
+    for name in sorted(DECODE_STEP_KERNELS | DECODE_EXPERT_KERNELS):
+        assert kernels[name], name
+        for kernel in kernels[name]:
+            assert local_accesses_in_loops(kernel.asm["cubin"], tmp_path) == 0, (arch, name, kernel.src.constants)

@@ -51,6 +51,7 @@ BLOCK_KEYS = 64
 MAX_ROWS = 64  # folded rows of one tile: its fp32 output accumulator stays in registers
 MIN_PROGRAMS = 264  # two per SM of an H100/H200: below this, keys are split further
 MERGE_SPLIT_BLOCK = 64  # splits the merge reads at once: [64, head dim] fp32 partial outputs per program
+MIN_DOT_DEPTH = 16  # `tl.dot`'s smallest inner size: d_rel is padded to it for the bias's MMA
 
 
 # kernel signatures and pointer arithmetic read better packed
@@ -98,16 +99,24 @@ def _step_rows(raw, scale, threshold, tau):
 
 
 @triton.jit
-def _computed_bias(states, bank_ptr, distance, in_extent, extent, DREL: tl.constexpr):
-    """[R, N] relative bias: row r's relative state [R, DREL] (fp32 of model-dtype values) times the bank column at
-    each key's distance, summed in fp32 over d_rel in order and rounded to the bank's dtype, as the reference's
-    [B, H, Q, extent] product holds it; 0 outside `in_extent`."""
+def _computed_bias(states, bank_ptr, qpos_row_ptr, key_position, query, col_ok, extent, d_rel,
+                   QUERIES: tl.constexpr, DREL: tl.constexpr, DOT_FP32: tl.constexpr):
+    """[R, N] relative bias: row r's relative state [R, DREL] (model-dtype values, channels from d_rel on zero)
+    times the bank column at each key's distance, with fp32 accumulation and rounded to the bank's dtype, as the
+    reference's [B, H, Q, extent] product holds it; 0 beyond the extent. The columns are gathered once per query
+    ([DREL, N]: every head of the tile shares its query's distances) and meet the rows of that query in one MMA."""
     channels = tl.arange(0, DREL)
-    bias = tl.zeros(distance.shape, dtype=tl.float32)
-    for channel in tl.static_range(DREL):
-        state = tl.sum(tl.where(channels[None, :] == channel, states, 0.0), 1)  # column `channel`, exactly
-        column = tl.load(bank_ptr + channel * extent + distance, mask=in_extent, other=0.0)
-        bias += state[:, None] * column.to(tl.float32)
+    bias = tl.zeros((states.shape[0], key_position.shape[0]), dtype=tl.float32)
+    for i in tl.static_range(QUERIES):
+        distance = tl.load(qpos_row_ptr + i) - key_position
+        ok = col_ok & (distance >= 0) & (distance < extent)
+        columns = tl.load(bank_ptr + channels[:, None] * extent + distance[None, :],
+                          mask=(channels < d_rel)[:, None] & ok[None, :], other=0.0)
+        rows = tl.where((query == i)[:, None], states, tl.zeros_like(states))
+        if DOT_FP32:
+            bias = tl.dot(rows.to(tl.float32), columns.to(tl.float32), bias, input_precision="ieee")
+        else:
+            bias = tl.dot(rows, columns, bias)
     return bias.to(bank_ptr.dtype.element_ty).to(tl.float32)
 
 
@@ -117,16 +126,16 @@ def _decode_partial_kernel(
     rscale_ptr, tau_ptr, stride_qb, stride_qh, stride_qq, stride_kb, stride_kh, stride_kk, stride_vb, stride_vh,
     stride_vk, stride_rb, stride_rh, stride_rq, stride_pb, stride_qpb, stride_kpb, stride_btb, stride_rsb, stride_rsq,
     stride_rsh, stride_taub, key_length, keys_per_split, num_splits, extent, window, scaling, q_threshold,
-    r_threshold, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
+    r_threshold, d_rel, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
     DIM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr, PREPARE: tl.constexpr, HAS_TAU: tl.constexpr, DREL: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (batch * kv_heads, splits): running max m, sum l and unnormalized output acc of each row over the
     keys [split * keys_per_split, ...) of one kv head. Positions are read at batch strides (0: shared); PAGE > 0:
     keys and values are page pools indexed by the block table (see `_key_block`). PREPARE: q holds the raw query
-    projection, rs_ptr the raw relative states [B, Q, H, DREL] and rl_ptr the bank [DREL, extent]; the rows are
-    prepared here (`_step_rows`, with the per-head scales [H, DIM] / [H, DREL] and, HAS_TAU, the log scale
-    [B, Q]) and the bias computed (`_computed_bias`)."""
+    projection, rs_ptr the raw relative states [B, Q, H, d_rel] and rl_ptr the bank [d_rel, extent] (DREL: d_rel
+    padded to an MMA's depth); the rows are prepared here (`_step_rows`, with the per-head scales [H, DIM] /
+    [H, d_rel] and, HAS_TAU, the log scale [B, Q]) and the bias computed (`_computed_bias`)."""
     wait_for_predecessor(PDL)
     pair, split = tl.program_id(0), tl.program_id(1)
     b, kv_head, rows, row_ok, query, head = _folded_rows(pair, KV_HEADS, GROUPS, QUERIES, ROWS)
@@ -139,10 +148,11 @@ def _decode_partial_kernel(
             tau = tl.load(tau_ptr + b * stride_taub + query).to(tl.float32)
         q = _step_rows(q, tl.load(qscale_ptr + head[:, None] * DIM + dims[None, :]), q_threshold, tau)
         channels = tl.arange(0, DREL)
+        state_ok = row_ok[:, None] & (channels < d_rel)[None, :]
         raw_states = tl.load(rs_ptr + b * stride_rsb + query[:, None] * stride_rsq + head[:, None] * stride_rsh
-                             + channels[None, :], mask=row_ok[:, None], other=0.0)
-        state_scale = tl.load(rscale_ptr + head[:, None] * DREL + channels[None, :])
-        states = _step_rows(raw_states, state_scale, r_threshold, tau).to(tl.float32)
+                             + channels[None, :], mask=state_ok, other=0.0)
+        state_scale = tl.load(rscale_ptr + head[:, None] * d_rel + channels[None, :], mask=state_ok, other=0.0)
+        states = _step_rows(raw_states, state_scale, r_threshold, tau)
     query_position = tl.load(qpos_ptr + b * stride_qpb + query)
     bias_rows = rl_ptr + b * stride_rb + head * stride_rh + query * stride_rq
     block_table_row = bt_ptr + b * stride_btb
@@ -164,10 +174,11 @@ def _decode_partial_kernel(
         visible = visible_keys(distance, row_ok, cols, col_ok, pad_ptr + b * stride_pb, window, HAS_WINDOW,
                                HAS_PADDING)
         in_extent = visible & (distance < extent)
-        if PREPARE:  # 16 gathers per tile where any key is within the extent; none beyond it (long full layers)
+        if PREPARE:  # a gather per query where any key of the tile is within the extent; none beyond it
             bias = tl.zeros((ROWS, BN), dtype=tl.float32)
             if tl.max(in_extent.to(tl.int32)) > 0:
-                bias = _computed_bias(states, rl_ptr, distance, in_extent, extent, DREL)
+                bias = _computed_bias(states, rl_ptr, qpos_ptr + b * stride_qpb, key_position, query, col_ok, extent,
+                                      d_rel, QUERIES, DREL, DOT_FP32)
         else:
             bias = tl.load(bias_rows[:, None] + distance, mask=in_extent, other=0.0).to(tl.float32)
         scores = tl.where(visible, (scores * scaling + bias) * LOG2E, float("-inf"))
@@ -357,11 +368,12 @@ def _attend(
         bias_strides = relative_logits.stride()[:3]
         # placeholders (never read): scales, states and log scale, their strides and thresholds
         states = query_scale = state_scale = tau = gate = query
-        state_strides, tau_stride, gate_strides, thresholds, drel = (0, 0, 0), 0, (0, 0), (0.0, 0.0), 1
+        state_strides, tau_stride, gate_strides, thresholds, d_rel, drel = (0, 0, 0), 0, (0, 0), (0.0, 0.0), 1, 1
     else:
         bias_strides = (0, 0, 0)
         states, query_scale, state_scale = prologue.relative_states, prologue.query_scale, prologue.relative_scale
-        state_strides, drel = states.stride()[:3], states.shape[-1]
+        state_strides, d_rel = states.stride()[:3], states.shape[-1]
+        drel = max(MIN_DOT_DEPTH, triton.next_power_of_2(d_rel))
         tau = query if prologue.log_scale is None else prologue.log_scale.expand(batch, -1)
         tau_stride = 0 if prologue.log_scale is None else tau.stride(0)
         gate = prologue.gate
@@ -376,7 +388,7 @@ def _attend(
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *bias_strides, padding.stride(0),
         query_positions.stride(0), key_positions.stride(0), table.stride(0), *state_strides, tau_stride,
-        key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling, *thresholds,
+        key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling, *thresholds, d_rel,
         BN=BLOCK_KEYS, PAGE=0 if block_table is None else page_size, HAS_PADDING=key_padding is not None,
         HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32, PREPARE=prologue is not None,
         HAS_TAU=prologue is not None and prologue.log_scale is not None, DREL=drel, num_warps=4, **constants,

@@ -100,7 +100,7 @@ def small_cases() -> dict:
                 cases[f"{name}, log scale {log_scale}"] = step_arguments(inputs, queries, 4, log_scale)
     paged, _ = in_pages(per_row_cases(5, 1, 192, (70, 191, 150), (100, 191, 160), **SMALL)[
         "1 queries, shared keys"][0], 64, seed=5)  # fmt: skip
-    cases["1 query, paged"] = step_arguments(paged, 5, 4, True)
+    cases["1 query, paged, d_rel 6"] = step_arguments(paged, 5, 6, True)  # padded to the MMA's 16 with masks
     return cases
 
 

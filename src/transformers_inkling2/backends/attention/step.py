@@ -71,8 +71,7 @@ def runs_fused(attention: nn.Module, backend, query_states: torch.Tensor, key: t
     plain = all(plain_module(clip, Inkling2ScaledL2Clip) for clip in clips)
     if not plain or not plain_module(bank, Inkling2RelativeLogits):
         return False
-    d_rel = attention.config.d_rel  # a power of two: the kernel's tl.arange over it
-    if query_states.shape[1] > MAX_STEP_TOKENS or d_rel & (d_rel - 1):
+    if query_states.shape[1] > MAX_STEP_TOKENS:
         return False
     if differentiable(query_states, key, *(clip.scale for clip in clips), bank.proj):
         return False

@@ -457,26 +457,49 @@ def test_the_decode_steps_kernels_launch_dependent_from_hopper_on(compiled, laun
             assert all("griddepcontrol.wait" in kernel.asm["ptx"] for kernel in compiled(arch)[name]), (arch, name)
 
 
-# SASS of `cuobjdump -sass`: a branch (predicated or not) and its target, a local-memory load or store
+# SASS of `cuobjdump -sass`: an instruction's address, a branch (predicated or not) and its target, a local-memory
+# load or store; `cuobjdump --dump-resource-usage`: the registers
+INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+\S")
 BRANCH = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
 LOCAL_ACCESS = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b")
+REGISTERS = re.compile(r"\bREG:(\d+)")
 
 
-def local_accesses_in_loops(cubin: bytes, folder: Path) -> int:
-    """Local-memory loads and stores (spilled registers) inside the kernel's loops: the address ranges from a backward
-    branch's target to the branch, in the SASS that Triton's bundled cuobjdump reads from the cubin."""
+@dataclasses.dataclass
+class SassReading:
+    """What a cubin's SASS says of a kernel's register use. Loops: the address ranges from a backward branch's target
+    to the branch."""
+
+    registers: int
+    local_accesses: int  # loads and stores of spilled registers, anywhere
+    local_accesses_in_loops: int
+    longest_loop: int  # instructions
+
+
+def read_sass(cubin: bytes, folder: Path) -> SassReading:
+    """The cubin read with Triton's bundled cuobjdump (no GPU)."""
     path = folder / "kernel.cubin"
     path.write_bytes(cubin)
-    sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(path)], capture_output=True, text=True,
-                          check=True).stdout  # fmt: skip
-    loops = [(int(target, 16), int(at, 16)) for at, target in BRANCH.findall(sass) if int(target, 16) <= int(at, 16)]
+
+    def cuobjdump(option: str) -> str:
+        command = [knobs.nvidia.cuobjdump.path, option, str(path)]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+    sass = cuobjdump("-sass")
+    loops = [(int(target, 16), int(at, 16)) for at, target in BRANCH.findall(sass) if int(target, 16) < int(at, 16)]
     accesses = [int(at, 16) for at in LOCAL_ACCESS.findall(sass)]
-    return sum(any(start <= at <= end for start, end in loops) for at in accesses)
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0], default=(0, -1))
+    return SassReading(
+        registers=int(REGISTERS.search(cuobjdump("--dump-resource-usage")).group(1)),
+        local_accesses=len(accesses),
+        local_accesses_in_loops=sum(any(first <= at <= last for first, last in loops) for at in accesses),
+        longest_loop=sum(start <= int(at, 16) <= end for at in INSTRUCTION.findall(sass)),
+    )
 
 
-def test_local_accesses_are_found_inside_loops_only(tmp_path):
-    """The SASS reading above on a kernel that spills on purpose (a [128, 128] fp32 tile carried through a loop by
-    one warp: 512 values a thread, past the 255 registers), and on one that does not."""
+def test_sass_reading_finds_spills_inside_loops(tmp_path):
+    """The reading above on a kernel that spills on purpose (a [128, 128] fp32 tile carried through a loop by one
+    warp: 512 values a thread, more than a thread's registers), and on one that does not."""
 
     @triton.jit
     def carried_tile_kernel(x_ptr, steps, N: tl.constexpr):
@@ -490,8 +513,17 @@ def test_local_accesses_are_found_inside_loops_only(tmp_path):
         source = ASTSource(carried_tile_kernel, {"x_ptr": "*fp32", "steps": "i32", "N": "constexpr"}, {"N": size})
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["cubin"]
 
-    assert local_accesses_in_loops(compiled(128), tmp_path) > 0
-    assert local_accesses_in_loops(compiled(16), tmp_path) == 0
+    spilling, fitting = read_sass(compiled(128), tmp_path), read_sass(compiled(16), tmp_path)
+    assert spilling.local_accesses_in_loops > 0 and spilling.registers > 0 and spilling.longest_loop > 0
+    assert fitting.local_accesses == 0 and fitting.registers > 0 and fitting.longest_loop > 0
+
+
+def specialization(kernel) -> str:
+    """A compiled kernel's constexprs and launch options that tell its specializations apart (strides left out)."""
+    names = kernel.src.fn.arg_names
+    constants = {names[key[0]]: value for key, value in kernel.src.constants.items() if value is not None}
+    shown = {name: value for name, value in constants.items() if not name.startswith("stride")}
+    return f"{shown}, {kernel.metadata.num_warps} warps"
 
 
 @pytest.mark.parametrize("arch", sorted(COMPILED_ON))
@@ -499,9 +531,13 @@ def test_the_decode_steps_kernels_keep_their_loops_in_registers(compiled, arch, 
     """A decode step's kernels take a few microseconds each: a register spilled inside a loop adds a local-memory
     round trip to every iteration. (The fused attention step did, before its relative bias took one gather per query
     and an MMA: 255 registers and up to 2,573 local accesses per kernel.) Every specialization the dispatch launches
-    on the model's sizes, decode and prefill alike."""
+    on the model's sizes, decode and prefill alike. `pytest -s` prints each one's reading (docs/kernels.md)."""
     kernels = compiled(arch)
+    print(f"\nsm_{arch}a: registers, local accesses (in loops), instructions in the longest loop")
     for name in sorted(DECODE_STEP_KERNELS | DECODE_EXPERT_KERNELS):
         assert kernels[name], name
         for kernel in kernels[name]:
-            assert local_accesses_in_loops(kernel.asm["cubin"], tmp_path) == 0, (arch, name, kernel.src.constants)
+            reading = read_sass(kernel.asm["cubin"], tmp_path)
+            print(f"  {name} {specialization(kernel)}: {reading.registers}, {reading.local_accesses} "
+                  f"({reading.local_accesses_in_loops}), {reading.longest_loop}")  # fmt: skip
+            assert reading.local_accesses_in_loops == 0, (arch, name, specialization(kernel))

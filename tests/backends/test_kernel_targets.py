@@ -9,7 +9,11 @@ path in warm-up mode against an offline driver that names the target, so Triton 
 and its bundled LLVM and ptxas build the cubin (`triton.compile` needs no GPU, only a target). Expert weights of the
 model's size lie on sparse files: the host code only passes their pointers and strides, nothing is read or committed.
 
-`pytest -s` prints the counts and the MMA instructions per target (docs/kernels.md, "Blackwell").
+The decode step's kernels are then read back from their cubins' SASS (Triton's bundled cuobjdump): no spilled
+register may be loaded or stored inside a loop.
+
+`pytest -s` prints the counts and the MMA instructions per target (docs/kernels.md, "Blackwell"), and each decode-step
+specialization's registers, local accesses and longest loop ("Register spills").
 """
 
 from __future__ import annotations

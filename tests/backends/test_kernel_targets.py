@@ -9,10 +9,10 @@ path in warm-up mode against an offline driver that names the target, so Triton 
 and its bundled LLVM and ptxas build the cubin (`triton.compile` needs no GPU, only a target). Expert weights of the
 model's size lie on sparse files: the host code only passes their pointers and strides, nothing is read or committed.
 
-The decode step's kernels are then read back from their cubins' SASS (Triton's bundled cuobjdump): no spilled
-register may be loaded or stored inside a loop.
+The cubins are then read back as SASS (Triton's bundled cuobjdump): no spilled register may be loaded or stored
+inside a loop, but in one known specialization.
 
-`pytest -s` prints the counts and the MMA instructions per target (docs/kernels.md, "Blackwell"), and each decode-step
+`pytest -s` prints the counts and the MMA instructions per target (docs/kernels.md, "Blackwell"), and each
 specialization's registers, local accesses and longest loop ("Register spills").
 """
 
@@ -437,14 +437,6 @@ DECODE_STEP_KERNELS = {
     "decode_kernel._decode_partial_kernel",
     "decode_kernel._decode_merge_kernel",
 }
-# the expert kernels a decode step launches (the hub kernel's; plain launches)
-DECODE_EXPERT_KERNELS = {
-    "triton_kernels._route_and_convert_kernel",
-    "register_kernels._gate_up_kernel",
-    "triton_kernels._swiglu_kernel",  # after split reductions (sparse grids: the TP4-shaped layer)
-    "register_kernels._down_kernel",
-    "triton_kernels._combine_kernel",
-}
 
 
 def test_the_decode_steps_kernels_launch_dependent_from_hopper_on(compiled, launches):
@@ -522,26 +514,39 @@ def test_sass_reading_finds_spills_inside_loops(tmp_path):
     assert fitting.local_accesses == 0 and fitting.registers > 0 and fitting.longest_loop > 0
 
 
-def specialization(kernel) -> str:
-    """A compiled kernel's constexprs and launch options that tell its specializations apart (strides left out)."""
+def constants(kernel) -> dict:
+    """A compiled kernel's constexprs (and the arguments Triton specialized as constants), strides left out."""
     names = kernel.src.fn.arg_names
-    constants = {names[key[0]]: value for key, value in kernel.src.constants.items() if value is not None}
-    shown = {name: value for name, value in constants.items() if not name.startswith("stride")}
-    return f"{shown}, {kernel.metadata.num_warps} warps"
+    values = {names[key[0]]: value for key, value in kernel.src.constants.items() if value is not None}
+    return {name: value for name, value in values.items() if not name.startswith("stride")}
+
+
+def specialization(kernel) -> str:
+    return f"{constants(kernel)}, {kernel.metadata.num_warps} warps"
+
+
+def known_loop_spill(arch: int, name: str, kernel) -> bool:
+    """The one specialization whose loop spills, known and not changed (docs/kernels.md, "Register spills"): the MXFP8
+    Triton gate/up GEMM at prefill sizes (128-row tiles, 4 warps) on sm_100a. Unmeasured on a Blackwell GPU."""
+    fmt, rows = constants(kernel).get("FMT"), constants(kernel).get("BM")
+    return (arch, name, fmt, rows, kernel.metadata.num_warps) == (100, "triton_kernels._gate_up_kernel", 1, 128, 4)
 
 
 @pytest.mark.parametrize("arch", sorted(COMPILED_ON))
-def test_the_decode_steps_kernels_keep_their_loops_in_registers(compiled, arch, tmp_path):
-    """A decode step's kernels take a few microseconds each: a register spilled inside a loop adds a local-memory
-    round trip to every iteration. (The fused attention step did, before its relative bias took one gather per query
-    and an MMA: 255 registers and up to 2,573 local accesses per kernel.) Every specialization the dispatch launches
-    on the model's sizes, decode and prefill alike. `pytest -s` prints each one's reading (docs/kernels.md)."""
-    kernels = compiled(arch)
+def test_kernels_keep_their_loops_in_registers(compiled, arch, tmp_path):
+    """A register spilled inside a loop adds a local-memory round trip to every iteration; a decode step's kernels
+    take a few microseconds each. (The fused attention step spilled, before its relative bias took one gather per
+    query and an MMA: 255 registers and up to 2,573 local accesses per kernel.) Every specialization the dispatch
+    launches on the model's sizes, decode and prefill, but the known one. `pytest -s` prints each reading
+    (docs/kernels.md)."""
     print(f"\nsm_{arch}a: registers, local accesses (in loops), instructions in the longest loop")
-    for name in sorted(DECODE_STEP_KERNELS | DECODE_EXPERT_KERNELS):
-        assert kernels[name], name
-        for kernel in kernels[name]:
+    spilling, known = [], []
+    for name, kernels in sorted(compiled(arch).items()):
+        for kernel in kernels:
             reading = read_sass(kernel.asm["cubin"], tmp_path)
             print(f"  {name} {specialization(kernel)}: {reading.registers}, {reading.local_accesses} "
                   f"({reading.local_accesses_in_loops}), {reading.longest_loop}")  # fmt: skip
-            assert reading.local_accesses_in_loops == 0, (arch, name, specialization(kernel))
+            if reading.local_accesses_in_loops:
+                (known if known_loop_spill(arch, name, kernel) else spilling).append((name, specialization(kernel)))
+    assert not spilling
+    assert len(known) == (arch == 100)  # still there: when it goes, so does the exception

@@ -368,12 +368,13 @@ def _attend(
         bias_strides = relative_logits.stride()[:3]
         # placeholders (never read): scales, states and log scale, their strides and thresholds
         states = query_scale = state_scale = tau = gate = query
-        state_strides, tau_stride, gate_strides, thresholds, d_rel, drel = (0, 0, 0), 0, (0, 0), (0.0, 0.0), 1, 1
+        state_strides, tau_stride, gate_strides, thresholds = (0, 0, 0), 0, (0, 0), (0.0, 0.0)
+        d_rel = padded_d_rel = 1
     else:
         bias_strides = (0, 0, 0)
         states, query_scale, state_scale = prologue.relative_states, prologue.query_scale, prologue.relative_scale
         state_strides, d_rel = states.stride()[:3], states.shape[-1]
-        drel = max(MIN_DOT_DEPTH, triton.next_power_of_2(d_rel))
+        padded_d_rel = max(MIN_DOT_DEPTH, triton.next_power_of_2(d_rel))
         tau = query if prologue.log_scale is None else prologue.log_scale.expand(batch, -1)
         tau_stride = 0 if prologue.log_scale is None else tau.stride(0)
         gate = prologue.gate
@@ -391,7 +392,7 @@ def _attend(
         key_length, keys_per_split, splits, relative_logits.shape[-1], sliding_window or 0, scaling, *thresholds, d_rel,
         BN=BLOCK_KEYS, PAGE=0 if block_table is None else page_size, HAS_PADDING=key_padding is not None,
         HAS_WINDOW=sliding_window is not None, DOT_FP32=fp32, PREPARE=prologue is not None,
-        HAS_TAU=prologue is not None and prologue.log_scale is not None, DREL=drel, num_warps=4, **constants,
+        HAS_TAU=prologue is not None and prologue.log_scale is not None, DREL=padded_d_rel, num_warps=4, **constants,
     )  # fmt: skip
     _decode_merge_kernel[(pairs, groups * queries)](
         m, l, acc, sinks, gate, output, sinks.stride(0), sinks.stride(1), sinks.stride(2), *gate_strides,

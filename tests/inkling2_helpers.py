@@ -303,8 +303,8 @@ def run_steps(model, cache, input_ids, attention_mask, step_sizes, forward=None,
         logits = [forward(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).logits]
         mask = attention_mask
         for step, size in enumerate(step_sizes):
-            tokens = torch.randint(0, 500, (2, size), generator=torch.Generator().manual_seed(step))
-            mask = torch.cat([mask, torch.ones(2, size, dtype=mask.dtype)], dim=1)
+            tokens = torch.randint(0, 500, (2, size), generator=torch.Generator().manual_seed(step)).to(mask.device)
+            mask = torch.cat([mask, mask.new_ones(2, size)], dim=1)
             output = forward(
                 input_ids=tokens,
                 attention_mask=mask,

@@ -6,8 +6,8 @@ Against the reference's composition of the same pieces (`reference_step`: PyTorc
 own path): small on CPU under Triton's interpreter (fp32 MMAs there; relative L2 error <= 1e-5), at full size on a GPU
 (marked `gpu`; in bf16 within 1.5x the reference's own bf16 error plus 1e-3, both against the fp32 reference on CPU).
 Then whole decode and verification steps of a tiny model over the static cache, with the step fused (under the
-interpreter, or on a GPU) and without. The model takes it only when `INKLING2_FUSED_ATTENTION_STEP=1`, and on CPU
-only under the interpreter.
+interpreter, or on a GPU) and without. The model takes it by default (`INKLING2_FUSED_ATTENTION_STEP=0` switches it
+off), and on CPU only under the interpreter.
 """
 
 from __future__ import annotations
@@ -145,17 +145,21 @@ def test_model_steps_with_the_fused_step_equal_the_reference_steps():
     assert results["difference"] <= FP32_BOUND
 
 
-@pytest.mark.parametrize("switch, interpreter", [("1", None), ("0", "1"), (None, "1")])
-def test_the_step_is_not_fused_when_switched_off_or_on_cpu(monkeypatch, switch, interpreter):
-    """Switched on, a CPU call without the interpreter keeps the reference; switched off (the default), so does a call
-    the interpreter could run."""
+@pytest.mark.parametrize(
+    "switch, interpreter, fused", [(None, "1", True), ("1", "1", True), ("0", "1", False), (None, None, False)]
+)
+def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch, switch, interpreter, fused):
+    """On by default where the kernel runs (here: under the interpreter); `=0` keeps the reference, and so does a CPU
+    call without the interpreter."""
     from transformers_inkling2.backends.attention import step
     from transformers_inkling2.backends.attention.flex import inkling2_auto_attention
 
     set_environment(monkeypatch, {step.ENV: switch, "TRITON_INTERPRET": interpreter})
     attention = build_pair(seed=3)[0].model.layers[0].self_attn
     queries = torch.zeros(1, 1, attention.config.num_attention_heads, attention.head_dim)
-    assert not step.runs_fused(attention, inkling2_auto_attention, queries, torch.zeros(1, 2, 8, attention.head_dim))
+    keys = torch.zeros(1, 2, 8, attention.head_dim)
+    with torch.no_grad():  # a step with gradients keeps the reference
+        assert step.runs_fused(attention, inkling2_auto_attention, queries, keys) == fused
 
 
 # --- GPU: full size, bf16 and fp32 ---------------------------------------------------------------------------------

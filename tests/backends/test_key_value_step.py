@@ -6,8 +6,8 @@ keys and values (fp32 relative error <= 1e-5; bf16 within two ulps, the interpre
 where PyTorch rounds), its validity and positions and both convolution rings equal, and the same tuple handed to
 attention. Small on CPU under Triton's interpreter, at full size on a GPU (marked `gpu`). Then whole decode and
 verification steps of a tiny model with the step switched on and off (and together with the fused attention step),
-and the decode-step runner's compiled steps with both. The model takes it only when `INKLING2_FUSED_KEY_VALUE_STEP=1`,
-and on CPU only under the interpreter.
+and the decode-step runner's compiled steps with both. The model takes it by default (`INKLING2_FUSED_KEY_VALUE_STEP=0`
+switches it off), and on CPU only under the interpreter.
 """
 
 from __future__ import annotations
@@ -259,15 +259,17 @@ def test_compiled_decode_steps_take_both_fused_steps_whole():
     assert results["difference"] == 0  # the same kernels as the eager steps, in the same order
 
 
-@pytest.mark.parametrize("switch, interpreter", [("1", None), ("0", "1"), (None, "1")])
-def test_the_step_is_not_fused_when_switched_off_or_on_cpu(monkeypatch, switch, interpreter):
-    """Switched on, a CPU call without the interpreter keeps the reference; switched off (the default), so does a call
-    the interpreter could run."""
+@pytest.mark.parametrize(
+    "switch, interpreter, fused", [(None, "1", True), ("1", "1", True), ("0", "1", False), (None, None, False)]
+)
+def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch, switch, interpreter, fused):
+    """On by default where the kernel runs (here: under the interpreter); `=0` keeps the reference, and so does a CPU
+    call without the interpreter."""
     set_environment(monkeypatch, {key_value_step.ENV: switch, "TRITON_INTERPRET": interpreter})
     config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
     states = torch.zeros(1, 1, 32)
     cache = Inkling2StaticCache(config, max_cache_len=16)
-    assert not key_value_step.runs_fused(sliding_attention(config, 0, "cpu"), states, states, cache)
+    assert key_value_step.runs_fused(sliding_attention(config, 0, "cpu"), states, states, cache) == fused
 
 
 def test_only_sliding_layers_over_the_static_cache_take_it(monkeypatch):

@@ -12,9 +12,8 @@ It takes only the steps the reference would run through the step convolutions' r
 interpreter) without gradients, the convolutions as this package defines them, without hooks. Everything else gets
 None, and the model runs the reference. Full layers keep theirs: their convolutions take per-token taps.
 
-Off unless `INKLING2_FUSED_KEY_VALUE_STEP=1`: written and tested on CPU (Triton's interpreter, and compiled for
-Hopper and Blackwell) while no GPU was lent, so it has not been timed nor run on one; it becomes the default once
-both are done (docs/attention.md).
+On by default: its GPU tests pass on an H200 and, with the fused attention step, it makes the decode step faster
+there (docs/benchmarks.md, "The fused decode steps"). `INKLING2_FUSED_KEY_VALUE_STEP=0` keeps the reference.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ ENV = "INKLING2_FUSED_KEY_VALUE_STEP"
 
 
 def enabled() -> bool:
-    """Whether the fused key/value step is switched on (`INKLING2_FUSED_KEY_VALUE_STEP=1`; off by default)."""
-    return os.environ.get(ENV, "0") == "1"
+    """Whether the fused key/value step is on (the default; `INKLING2_FUSED_KEY_VALUE_STEP=0` switches it off)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def runs_fused(attention: nn.Module, key_states: torch.Tensor, value_states: torch.Tensor, cache) -> bool:

@@ -145,13 +145,16 @@ def test_model_steps_with_the_fused_step_equal_the_reference_steps():
     assert results["difference"] <= FP32_BOUND
 
 
+@needs_triton
 @pytest.mark.parametrize(
     "switch, interpreter, fused", [(None, "1", True), ("1", "1", True), ("0", "1", False), (None, None, False)]
 )
 def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch, switch, interpreter, fused):
     """On by default where the kernel runs (here: under the interpreter); `=0` keeps the reference, and so does a CPU
     call without the interpreter."""
-    from transformers_inkling2.backends.attention import step
+    # `runs_fused` asks the kernel's module (`supports`): imported here, before the interpreter's switch is set, as the
+    # other tests of this process expect its kernels (Triton decides at import whether they are interpreted)
+    from transformers_inkling2.backends.attention import decode_kernel, step  # noqa: F401
     from transformers_inkling2.backends.attention.flex import inkling2_auto_attention
 
     set_environment(monkeypatch, {step.ENV: switch, "TRITON_INTERPRET": interpreter})

@@ -32,19 +32,20 @@
     python3 benchmarks/decode.py [--quick] [--out DIR] [--experts 16] [--context 4096] [--compile]
     python3 benchmarks/decode.py --per-layer nvfp4 tp4-nvfp4 [--context 2048] [--out DIR]
     python3 benchmarks/decode.py --readout [--batches 1 8 64] [--out DIR]
-    python3 benchmarks/decode.py --per-layer nvfp4 --batches 1 --inductor-config combo_kernels=True
+    python3 benchmarks/decode.py --per-layer nvfp4 --batches 1 --compare combo_kernels=False base
 
 `--compare SETTING ...` (with `--per-layer`, instead of the slope): one decode step of each variant's 6-layer slice
 captured once per setting and the captures timed in interleaved rounds (a change of a few launches is smaller than
 the slope's run-to-run spread). A setting is `base` (as the package runs), `NAME=VALUE` in capitals (an environment
 switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that setting's runner is built and its steps run),
-`key=value` (an inductor option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=True`), or several
+`key=value` (an inductor option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=False`), or several
 of those joined by commas (`INKLING2_FUSED_ATTENTION_STEP=1,INKLING2_FUSED_KEY_VALUE_STEP=1`). Reports step ms
 (median, range over the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting;
 `decode_compare.md`.
 
 `--inductor-config KEY=VALUE ...` sets `torch._inductor.config` entries (dotted keys reach its sub-configs; True /
-False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps.
+False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps (the
+options the runner passes itself, PDL and combo kernels, win over these: compare those with `--compare`).
 
 Prints markdown tables and writes `decode.md` (+ `decode.json`) under --out (default $OUT, else ./); with
 `--per-layer`, `decode_per_layer.md` (+ `.json`), rewritten after each variant; with `--readout`, `readout.md` (+
@@ -545,7 +546,8 @@ def readout_benchmark(args) -> list[dict]:
 
 def set_inductor_config(items: list[str]) -> None:
     """Sets `torch._inductor.config` entries given as KEY=VALUE (dotted keys for its sub-configs, e.g.
-    triton.enable_pdl=False); an unknown key is an error rather than a silently ignored switch."""
+    triton.max_tiles=3); an unknown key is an error rather than a silently ignored switch. The options the decode
+    runner passes to `torch.compile` (PDL, combo kernels) win over these: compare those with `--compare`."""
     import torch._inductor.config as inductor_config
 
     for item in items:
@@ -583,7 +585,7 @@ def main():
     parser.add_argument("--compare", nargs="+", metavar="SETTING",
                         help="with --per-layer: time one step under each setting, interleaved (see above)")
     parser.add_argument("--inductor-config", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="torch._inductor.config entries to set first, e.g. combo_kernels=True")
+                        help="torch._inductor.config entries to set first, e.g. coordinate_descent_tuning=True")
     args = parser.parse_args()
     if args.compare and not args.per_layer:
         sys.exit("--compare needs --per-layer VARIANT ...")

@@ -11,9 +11,10 @@ from inkling2_helpers import on_mocked_gpu
 from transformers import CompileConfig
 
 from transformers_inkling2.backends import dependent_launch
-from transformers_inkling2.generation.decode_graphs import compiled_step
+from transformers_inkling2.generation.decode_graphs import COMBO_KERNELS, compiled_step
 
 PDL = {dependent_launch.INDUCTOR_OPTION: True}
+DEFAULTS = {**PDL, **COMBO_KERNELS}  # what the runner adds to a config's options
 
 
 @pytest.mark.parametrize(
@@ -40,17 +41,17 @@ def compile_arguments(config: CompileConfig) -> dict:
 
 
 def test_compiled_steps_launch_inductors_kernels_dependent_too():
-    assert compile_arguments(CompileConfig())["options"] == PDL  # "reduce-overhead": our graphs capture, plain mode
+    assert compile_arguments(CompileConfig())["options"] == DEFAULTS  # "reduce-overhead": our graphs capture
     autotune = compile_arguments(CompileConfig(mode="max-autotune"))["options"]
-    assert autotune == {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), **PDL}
+    assert autotune == {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), **DEFAULTS}
     assert autotune["max_autotune"]  # the mode still counts, as its options
     own = compile_arguments(CompileConfig(options={dependent_launch.INDUCTOR_OPTION: False, "max_autotune": True}))
-    assert own["options"] == {dependent_launch.INDUCTOR_OPTION: False, "max_autotune": True}  # the config's own win
+    assert own["options"] == {**COMBO_KERNELS, dependent_launch.INDUCTOR_OPTION: False, "max_autotune": True}
 
 
-def test_other_backends_and_the_switch_keep_the_mode(monkeypatch):
+def test_other_backends_keep_the_mode_and_the_switch_drops_pdl(monkeypatch):
     eager = compile_arguments(CompileConfig(backend="eager"))
     assert eager["backend"] == "eager" and eager["mode"] is None and "options" not in eager
     monkeypatch.setenv(dependent_launch.ENV, "0")
-    plain = compile_arguments(CompileConfig(mode="max-autotune"))
-    assert plain["mode"] == "max-autotune-no-cudagraphs" and "options" not in plain
+    plain = compile_arguments(CompileConfig(mode="max-autotune"))["options"]  # the mode as its options, no PDL
+    assert plain == {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), **COMBO_KERNELS}

@@ -41,6 +41,27 @@ def test_attend_bucket():
     assert attend_bucket(9, 100, minimum=4) == 16
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_compiled_steps_equal_plain_steps(device):
+    """`CompileConfig()` as a user passes it: inductor with the runner's options (PDL and combo kernels, which
+    inductor applies on GPUs only) compiles steps whose fp32 logits are the plain forward's, up to the order of sums.
+    Without CUDA graphs, so that fp32 experts run too."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    model = build_pair(seed=4)[0].to(device)
+    input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=6))
+    steps = [1] * 3  # one shape: one compilation
+    expected = run_steps(model, Inkling2Cache(model.config), input_ids, attention_mask, steps)
+    torch._dynamo.reset()
+    runner = Inkling2DecodeGraphs(model, use_cuda_graphs=False, min_bucket=64, compile_config=CompileConfig())
+    static = Inkling2StaticCache(model.config, max_cache_len=64)
+    actual = run_steps(model, static, input_ids, attention_mask, steps, forward=runner)
+    differences = [((a - e).norm() / e.norm()).item() for a, e in zip(actual, expected, strict=True)]
+    # on a GPU the fused decode kernels' fp32 dots and other kernels' sums in another order, as in test_key_value_step
+    assert max(differences) <= (1e-5 if device == "cpu" else 1e-4), differences
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replays_equal_eager_steps():
     """On the GPU, in bf16: generate() over the static cache replays captured graphs (one per bucket and step shape)
@@ -64,14 +85,14 @@ def test_cuda_graph_replays_equal_eager_steps():
 @pytest.mark.parametrize(
     "options, expected",
     [
-        (None, {"triton.enable_pdl": True}),
-        ({"combo_kernels": True}, {"triton.enable_pdl": True, "combo_kernels": True}),
-        ({"triton.enable_pdl": False}, {"triton.enable_pdl": False}),
+        (None, {"triton.enable_pdl": True, "combo_kernels": True}),
+        ({"max_autotune": True}, {"triton.enable_pdl": True, "combo_kernels": True, "max_autotune": True}),
+        ({"triton.enable_pdl": False, "combo_kernels": False}, {"triton.enable_pdl": False, "combo_kernels": False}),
     ],
 )
-def test_compile_config_options_reach_torch_compile_over_pdl(monkeypatch, options, expected):
-    """A `CompileConfig`'s inductor options (e.g. combo_kernels, docs/attention.md) reach `torch.compile` next to the
-    PDL switch the runner adds, and win over it; the default mode "reduce-overhead" leaves no cudagraph option."""
+def test_compile_config_options_reach_torch_compile_over_the_runners(monkeypatch, options, expected):
+    """A `CompileConfig`'s inductor options reach `torch.compile` next to the PDL switch and the combo kernels the
+    runner adds, and win over them; the default mode "reduce-overhead" leaves no cudagraph option."""
     from transformers import CompileConfig
 
     calls = []

@@ -36,6 +36,9 @@ from ..cache.static import Inkling2StaticCache
 logger = logging.get_logger(__name__)
 
 MIN_BUCKET = 1024
+# inductor launches the step's data-independent kernels (per-head clips and norms side by side) as one: about three
+# launches fewer per layer and 2-4% faster batch-1 steps on an H200 (docs/benchmarks.md, "Inductor's combo kernels")
+COMBO_KERNELS = {"combo_kernels": True}
 WARMUP_CALLS = 2  # before a capture: cuBLAS workspaces, Triton autotuning and compiled FlexAttention settle here
 
 
@@ -68,19 +71,19 @@ def compiled_step(model, compile_config):
     """`torch.compile` of the model for steps that our own CUDA graphs then capture (fused elementwise kernels, fewer
     launches): transformers' CompileConfig defaults to mode "reduce-overhead", which would capture graphs itself, so
     the cudagraph modes become their plain equivalents. Shapes are static per captured step (`dynamic=False`).
-    Inductor's kernels launch with PDL as ours do (`backends.dependent_launch`), unless the config's options say
-    otherwise."""
+    Inductor's kernels launch with PDL as ours do (`backends.dependent_launch`), and its data-independent kernels as
+    combo kernels (`COMBO_KERNELS`), unless the config's options say otherwise."""
     settings = compile_config.to_dict()
     mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(
         settings["mode"], settings["mode"]
     )
     options = dict(settings["options"]) if settings.get("options") else None
-    pdl = dependent_launch.inductor_options() if settings["backend"] == "inductor" else {}
-    if pdl:  # torch.compile takes a mode or options: the mode as its options, PDL, and the config's options over both
+    if settings["backend"] == "inductor":
+        # torch.compile takes a mode or options: the mode as its options, ours, and the config's options over both
         from torch._inductor import list_mode_options
 
         base = options if options is not None else dict(list_mode_options(mode)) if mode else {}
-        options = {**pdl, **base}
+        options = {**dependent_launch.inductor_options(), **COMBO_KERNELS, **base}
     tuning = {"mode": mode} if options is None else {"options": options}
     return torch.compile(model, fullgraph=settings["fullgraph"], dynamic=False, backend=settings["backend"], **tuning)
 

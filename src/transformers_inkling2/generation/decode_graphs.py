@@ -36,8 +36,8 @@ from ..cache.static import Inkling2StaticCache
 logger = logging.get_logger(__name__)
 
 MIN_BUCKET = 1024
-# inductor launches the step's data-independent kernels (per-head clips and norms side by side) as one: about three
-# launches fewer per layer and 2-4% faster batch-1 steps on an H200 (docs/benchmarks.md, "Inductor's combo kernels")
+# inductor launches the step's data-independent kernels as one: about three launches fewer per layer and 2-4% faster
+# batch-1 steps on an H200 (docs/benchmarks.md, "Inductor's combo kernels")
 COMBO_KERNELS = {"combo_kernels": True}
 WARMUP_CALLS = 2  # before a capture: cuBLAS workspaces, Triton autotuning and compiled FlexAttention settle here
 

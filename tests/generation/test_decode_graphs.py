@@ -1,5 +1,6 @@
 """The decode-step runner (`generation/decode_graphs.py`) over the static cache: its steps equal plain steps across
-attention buckets, compiled steps trace whole and once, and CUDA-graph replays equal eager steps on a GPU."""
+attention buckets, compiled steps trace whole and once and (through inductor) equal plain steps, and CUDA-graph
+replays equal eager steps on a GPU."""
 
 import pytest
 import torch

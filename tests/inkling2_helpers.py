@@ -337,6 +337,11 @@ def within(actual, expected, tolerance):
     return ((actual.float() - expected).abs() / expected.abs().clamp(min=1)).max().item() <= tolerance
 
 
+def relative_differences(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[float]:
+    """|actual - expected| / |expected| (L2) of each forward's logits, in order."""
+    return [((a - e).norm() / e.norm()).item() for a, e in zip(actual, expected, strict=True)]
+
+
 def assert_same_logits(expected, actual, atol=1e-4):
     assert len(expected) == len(actual)
     for e, a in zip(expected, actual):
@@ -374,7 +379,7 @@ def switched_step_differences(switches: list[str], module, kernel: str, device: 
         setattr(module, kernel, original)
         for name in switches:
             os.environ.pop(name)
-    differences = [((a - b).norm() / b.norm()).item() for a, b in zip(logits["1"], logits["0"], strict=True)]
+    differences = relative_differences(logits["1"], logits["0"])
     return dict(difference=max(differences), prefill=differences[0], calls=len(calls))
 
 

@@ -529,7 +529,8 @@ def known_loop_spill(arch: int, name: str, kernel) -> bool:
     """The one specialization whose loop spills, known and not changed (docs/kernels.md, "Register spills"): the MXFP8
     Triton gate/up GEMM at prefill sizes (128-row tiles, 4 warps) on sm_100a. Unmeasured on a Blackwell GPU."""
     mxfp8 = 1  # the hub kernel's `triton_kernels.FMT_MXFP8`
-    fmt, rows = constants(kernel).get("FMT"), constants(kernel).get("BM")
+    values = constants(kernel)
+    fmt, rows = values.get("FMT"), values.get("BM")
     return (arch, name, fmt, rows, kernel.metadata.num_warps) == (100, "triton_kernels._gate_up_kernel", mxfp8, 128, 4)
 
 
@@ -544,10 +545,10 @@ def test_kernels_keep_their_loops_in_registers(compiled, arch, tmp_path):
     spilling, known = [], []
     for name, kernels in sorted(compiled(arch).items()):
         for kernel in kernels:
-            reading = read_sass(kernel.asm["cubin"], tmp_path)
-            print(f"  {name} {specialization(kernel)}: {reading.registers}, {reading.local_accesses} "
+            reading, described = read_sass(kernel.asm["cubin"], tmp_path), specialization(kernel)
+            print(f"  {name} {described}: {reading.registers}, {reading.local_accesses} "
                   f"({reading.local_accesses_in_loops}), {reading.longest_loop}")  # fmt: skip
             if reading.local_accesses_in_loops:
-                (known if known_loop_spill(arch, name, kernel) else spilling).append((name, specialization(kernel)))
+                (known if known_loop_spill(arch, name, kernel) else spilling).append((name, described))
     assert not spilling
     assert len(known) == (arch == 100)  # still there: when it goes, so does the exception

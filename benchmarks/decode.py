@@ -33,6 +33,7 @@
     python3 benchmarks/decode.py --per-layer nvfp4 tp4-nvfp4 [--context 2048] [--out DIR]
     python3 benchmarks/decode.py --readout [--batches 1 8 64] [--out DIR]
     python3 benchmarks/decode.py --per-layer nvfp4 --batches 1 --compare combo_kernels=False base
+    python3 benchmarks/decode.py --per-layer nvfp4 --compare base INKLING2_FUSED_RESIDUAL_MIX=1 --graphs-only
 
 `--compare SETTING ...` (with `--per-layer`, instead of the slope): one decode step of each variant's 6-layer slice
 captured once per setting and the captures timed in interleaved rounds (a change of a few launches is smaller than
@@ -41,7 +42,8 @@ switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that setting's runner 
 `key=value` (an inductor option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=False`), or several
 of those joined by commas (`INKLING2_FUSED_ATTENTION_STEP=1,INKLING2_FUSED_KEY_VALUE_STEP=1`). Reports step ms
 (median, range over the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting;
-`decode_compare.md`.
+`decode_compare.md`. The steps are `torch.compile`d inside their graphs; with `--graphs-only` they are captured as
+plain `generate()` captures them, without compiling (then only environment switches make settings).
 
 `--inductor-config KEY=VALUE ...` sets `torch._inductor.config` entries (dotted keys reach its sub-configs; True /
 False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps (the
@@ -419,10 +421,11 @@ def environment_set(switches: dict):
                 os.environ[name] = value
 
 
-def compared_step(model, batch: int, context: int, setting: str):
-    """(step, first logits): one decode step of `model` captured under `setting` (see `--compare`); an environment
-    switch is set while the runner is built (it picks inductor's options then) and during every call of the step, so
-    that a capture the runner makes later sees it too."""
+def compared_step(model, batch: int, context: int, setting: str, compiled: bool = True):
+    """(step, first logits): one decode step of `model` captured under `setting` (see `--compare`), `torch.compile`d
+    inside the graph unless `compiled` is False; an environment switch is set while the runner is built (it picks
+    inductor's options then) and during every call of the step, so that a capture the runner makes later sees it
+    too."""
     from transformers import CompileConfig
 
     from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
@@ -434,7 +437,8 @@ def compared_step(model, batch: int, context: int, setting: str):
     ids = torch.randint(0, 8000, (batch, context), device=DEVICE, generator=generator)
 
     with environment_set(switches):
-        runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig(options=options or None))
+        compile_config = CompileConfig(options=options or None) if compiled else None
+        runner = Inkling2DecodeGraphs(model, compile_config=compile_config)
 
     def step():
         with environment_set(switches):
@@ -452,7 +456,8 @@ def compare_benchmark(args) -> list[dict]:
     for variant in args.per_layer:
         model = random_slice(layer_slice_config(variant, LAYERS))
         for batch in args.batches:
-            steps = {setting: compared_step(model, batch, args.context, setting) for setting in args.compare}
+            steps = {setting: compared_step(model, batch, args.context, setting, not args.graphs_only)
+                     for setting in args.compare}  # fmt: skip
             times = {setting: [] for setting in steps}
             with torch.no_grad():
                 for _ in range(COMPARE_ROUNDS):
@@ -477,8 +482,9 @@ def compare_benchmark(args) -> list[dict]:
         )  # fmt: skip
         text = (f"# Decode steps of a {LAYERS}-layer slice under several settings\n\n{environment()}; command: "
                 f"`python3 benchmarks/decode.py --per-layer {' '.join(args.per_layer)} --batches "
-                f"{' '.join(map(str, args.batches))} --context {args.context} --compare {' '.join(args.compare)}`; "
-                f"{COMPARE_ROUNDS} interleaved rounds of {args.steps} replays per setting\n\n{table}")
+                f"{' '.join(map(str, args.batches))} --context {args.context} --compare {' '.join(args.compare)}"
+                f"{' --graphs-only' if args.graphs_only else ''}`; {COMPARE_ROUNDS} interleaved rounds of {args.steps} "
+                f"replays per setting\n\n{table}")
         write_report(args.out, "decode_compare", text, dict(rows=rows, args=vars(args)))
     return rows
 
@@ -584,6 +590,8 @@ def main():
     parser.add_argument("--readout", action="store_true", help="part 4 only: the readout at the full vocabulary")
     parser.add_argument("--compare", nargs="+", metavar="SETTING",
                         help="with --per-layer: time one step under each setting, interleaved (see above)")
+    parser.add_argument("--graphs-only", action="store_true",
+                        help="with --compare: capture the steps without torch.compile, as plain generate() runs them")
     parser.add_argument("--inductor-config", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config entries to set first, e.g. coordinate_descent_tuning=True")
     args = parser.parse_args()
@@ -595,6 +603,9 @@ def main():
     except ValueError as error:
         sys.exit(f"{error}: --compare takes base, NAME=VALUE (an environment switch), key=value (an inductor option) "
                  "or several of those joined by commas")
+    if args.graphs_only and (not args.compare or any(setting_parts(setting)[1] for setting in args.compare)):
+        sys.exit("--graphs-only goes with --compare settings of environment switches only (inductor options need the "
+                 "compiled steps)")
     set_inductor_config(args.inductor_config)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")

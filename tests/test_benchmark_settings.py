@@ -55,3 +55,16 @@ def test_switches_are_set_inside_and_restored_after(decode, monkeypatch):
     with decode.environment_set({"INKLING2_TEST_KEPT": "inside", "INKLING2_TEST_NEW": "1"}):
         assert os.environ["INKLING2_TEST_KEPT"] == "inside" and os.environ["INKLING2_TEST_NEW"] == "1"
     assert os.environ["INKLING2_TEST_KEPT"] == "before" and "INKLING2_TEST_NEW" not in os.environ
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--per-layer", "nvfp4", "--graphs-only"], ["--per-layer", "nvfp4", "--compare", "base", "combo_kernels=False",
+                                                 "--graphs-only"]],
+)  # fmt: skip
+def test_graphs_only_takes_compare_settings_of_switches_only(decode, arguments):
+    """Uncompiled captures have no inductor options to set, and nothing to compare without `--compare`."""
+    with mock.patch.object(sys, "argv", ["decode.py", *arguments]):
+        with pytest.raises(SystemExit) as exited:
+            decode.main()
+    assert "--graphs-only goes with --compare settings of environment switches only" in str(exited.value.code)

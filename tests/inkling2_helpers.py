@@ -6,6 +6,7 @@ Triton-interpreter runner; attention inputs; multimodal prompts; a DSpark drafte
 steps; a mocked GPU for host code. Never a test module: nothing here is collected.
 """
 
+import collections
 import contextlib
 import importlib.util
 import json
@@ -114,8 +115,11 @@ def build_pair(seed: int = 0, dtype=torch.float32, **overrides):
 
 
 def cast_keeping_fp32_modules(model, dtype):
-    """Casts like `from_pretrained(dtype=...)`: modules listed in `_keep_in_fp32_modules_strict` stay fp32."""
-    keep = model._keep_in_fp32_modules_strict
+    """Casts like `from_pretrained(dtype=...)`: modules listed in `_keep_in_fp32_modules_strict` stay fp32 (the
+    model's list, or for a part of a model such as a decoder layer, the Inkling2 models' list)."""
+    from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2PreTrainedModel
+
+    keep = getattr(model, "_keep_in_fp32_modules_strict", Inkling2PreTrainedModel._keep_in_fp32_modules_strict)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not any(pattern in name for pattern in keep):
             tensor.data = tensor.data.to(dtype)
@@ -360,15 +364,22 @@ def set_environment(monkeypatch, values: dict) -> None:
             monkeypatch.setenv(name, value)
 
 
-def switched_step_differences(switches: list[str], module, kernel: str, device: str = "cpu") -> dict:
+def switched_step_differences(switches: list[str], module, kernels: str | tuple[str, ...], device: str = "cpu") -> dict:
     """A tiny model's prefill and decode / verification steps (`STEPS[:6]`: 1, 3, 1, 8, 1, 1 tokens, across the
     window of 8, taking 3 tokens back after the 8, as a rejected draft does) over the static cache with the
     environment `switches` set to "1", then to "0": the largest relative difference of any forward's logits, the
-    prefill's, and how many calls `module.kernel` took (the fused kernels' entry points, counted by wrapping them)."""
+    prefill's, and how many calls the `kernels` of `module` took (the fused kernels' entry points, counted by
+    wrapping them): in all, and by kernel."""
     model = build_pair(seed=3)[0].to(device)
     input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=4))
-    calls, original = [], getattr(module, kernel)
-    setattr(module, kernel, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    kernels = (kernels,) if isinstance(kernels, str) else kernels
+    calls, originals = collections.Counter(), {name: getattr(module, name) for name in kernels}
+
+    def counted(name):
+        return lambda *args, **kwargs: calls.update([name]) or originals[name](*args, **kwargs)
+
+    for name in kernels:
+        setattr(module, name, counted(name))
     logits = {}
     try:
         for switch in ("1", "0"):
@@ -376,11 +387,12 @@ def switched_step_differences(switches: list[str], module, kernel: str, device: 
             cache = Inkling2StaticCache(model.config, max_cache_len=64)
             logits[switch] = run_steps(model, cache, input_ids, attention_mask, STEPS[:6], crop_after=3)
     finally:
-        setattr(module, kernel, original)
+        for name, original in originals.items():
+            setattr(module, name, original)
         for name in switches:
             os.environ.pop(name)
     differences = relative_differences(logits["1"], logits["0"])
-    return dict(difference=max(differences), prefill=differences[0], calls=len(calls))
+    return dict(difference=max(differences), prefill=differences[0], calls=calls.total(), calls_by_kernel=calls)
 
 
 # the TP8 launch took 229 s at most on 2 cores that other jobs shared; a hung launch is killed (the worker's

@@ -108,6 +108,10 @@ def _register_fast_paths() -> None:
     KERNELS.register("relative_logits_layout", f"{_PACKAGE}.backends.attention.relative_logits:aligned_product")
     KERNELS.register("attention_step", f"{_PACKAGE}.backends.attention.step:fused_attention_step")
     KERNELS.register("key_value_step", f"{_PACKAGE}.backends.key_value_step:fused_key_value_step")
+    KERNELS.register("residual_mix", f"{_PACKAGE}.backends.residual_mix:fused_residual_mix")
+    KERNELS.register(
+        "residual_mix_after_sublayer", f"{_PACKAGE}.backends.residual_mix:fused_residual_mix_after_sublayer"
+    )
     quantized = f"{_PACKAGE}.quantization.checkpoints"
     LOADING_HOOKS.register("expert_storage", f"{quantized}:attach_expert_quantization", stage="config")
     LOADING_HOOKS.register("bundled_drafter", f"{_PACKAGE}.dspark.checkpoints:load_bundled_drafter", stage="model")

@@ -1,11 +1,13 @@
 """Run by `test_fused_step_parallel.py` under `torchrun --nproc_per_node 2` (gloo, CPU) with `TRITON_INTERPRET=1`:
 the fused decode attention step (`backends/attention/step.py`) and the fused key/value step
-(`backends/key_value_step.py`) on each rank's block of heads, against the same rank's steps without them and against
-the single-process model.
+(`backends/key_value_step.py`) on each rank's block of heads, and the fused attention-residual mixes
+(`backends/residual_mix.py`) on the replicated stream, against the same rank's steps without them and against the
+single-process model.
 
 Usage: TRITON_INTERPRET=1 torchrun --nproc_per_node 2 tests/parallel/fused_step_worker.py CHECKPOINT REPORT.json
 Every rank loads the checkpoint split over the ranks (`tp_plan="auto"`) and runs a prefill and decode / verification
-steps over the static cache, with `INKLING2_FUSED_ATTENTION_STEP` and `INKLING2_FUSED_KEY_VALUE_STEP` on and off;
+steps over the static cache, with `INKLING2_FUSED_ATTENTION_STEP`, `INKLING2_FUSED_KEY_VALUE_STEP` and
+`INKLING2_FUSED_RESIDUAL_MIX` on and off;
 rank 0 also runs the unsplit model.
 Rank 0 writes every rank's report; the test reads it.
 """
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from rank_report import COLLECTIVE_TIMEOUT, write_every_ranks_report
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache
-from transformers_inkling2.backends import key_value_kernel, key_value_step
+from transformers_inkling2.backends import key_value_kernel, key_value_step, residual_mix, residual_mix_kernel
 from transformers_inkling2.backends.attention import decode_kernel, step
 
 STEP_TOKENS = (1, 3, 1, 8, 1)  # decode steps and verification steps
@@ -59,10 +61,12 @@ def main(checkpoint: Path, report_file: Path) -> None:
     split = Inkling2ForCausalLM.from_pretrained(checkpoint, tp_plan="auto")
     attention_calls = counting_calls(decode_kernel, "decode_attention_step")
     key_value_calls = counting_calls(key_value_kernel, "key_value_step")
-    switches = (step.ENV, key_value_step.ENV)
+    mix_calls = [counting_calls(residual_mix_kernel, name) for name in ("residual_mix", "residual_mix_after_sublayer")]
+    switches = (step.ENV, key_value_step.ENV, residual_mix.ENV)
     os.environ.update(dict.fromkeys(switches, "1"))
     fused = step_logits(split)
-    fused_calls = {"attention": len(attention_calls), "key_value": len(key_value_calls)}
+    fused_calls = {"attention": len(attention_calls), "key_value": len(key_value_calls),
+                   "mix": [len(calls) for calls in mix_calls]}  # fmt: skip
     os.environ.update(dict.fromkeys(switches, "0"))
     plain = step_logits(split)
     single = [step_logits(Inkling2ForCausalLM.from_pretrained(checkpoint)) if dist.get_rank() == 0 else None]
@@ -72,6 +76,7 @@ def main(checkpoint: Path, report_file: Path) -> None:
         "local_heads": split.model.layers[0].self_attn.q_l2_clip.scale.to_local().shape[0],
         "fused_calls": fused_calls["attention"],
         "key_value_calls": fused_calls["key_value"],
+        "mix_calls": fused_calls["mix"],
         "to_plain_split": largest_difference(fused, plain),
         "to_single_process": largest_difference(fused, single[0]),
         "plain_split_to_single_process": largest_difference(plain, single[0]),

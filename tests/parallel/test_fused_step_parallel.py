@@ -1,6 +1,7 @@
-"""The fused decode attention step (`backends/attention/step.py`) and the fused key/value step
-(`backends/key_value_step.py`), switched on, under tensor parallelism: two CPU processes over gloo, each holding half
-the heads, run their Triton kernels under the interpreter (`fused_step_worker.py`). Their decode and verification
+"""The fused decode attention step (`backends/attention/step.py`), the fused key/value step
+(`backends/key_value_step.py`) and the fused attention-residual mixes (`backends/residual_mix.py`), switched on, under
+tensor parallelism: two CPU processes over gloo, each holding half the heads (the stream the mixes read is whole on
+both), run their Triton kernels under the interpreter (`fused_step_worker.py`). Their decode and verification
 steps over the static cache equal the same split model's steps without them (fp32, 1e-5) and the single-process
 model's (1e-4, as the other tensor-parallel tests: the split sums `o_proj` and the experts in another order)."""
 
@@ -33,5 +34,7 @@ def test_fused_steps_on_each_ranks_heads_give_the_single_process_steps(tmp_path)
         assert rank["world_size"] == 2 and rank["local_heads"] == heads // 2
         assert rank["fused_calls"] == layers * 5  # every decode and verification step of every layer
         assert rank["key_value_calls"] == sliding_layers * 5  # and of every sliding layer
+        # the attention inputs of every layer but the first and the readout; every layer's MoE input
+        assert rank["mix_calls"] == [layers * 5, layers * 5]
         assert rank["to_plain_split"] <= 1e-5
         assert rank["to_single_process"] <= 1e-4 and rank["plain_split_to_single_process"] <= 1e-4

@@ -459,29 +459,59 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
     ):
         dtype = partial.dtype
         partial = shared_fp32(partial)  # the mixes and the sum below each read it in fp32
-        inputs = (partial,) if self.attention_input is None else self.attention_input(blocks, partial)
-        if self.is_sliding:
-            query_input = key_input = value_input = self.input_layernorm(inputs[0]).to(dtype)
-        else:
-            inputs = inputs * 3 if len(inputs) == 1 else inputs
-            norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
-            query_input, key_input, value_input = (norm(x).to(dtype) for norm, x in zip(norms, inputs))
+        query_input, key_input, value_input = self.attention_inputs(blocks, partial, dtype)
         attention_output, _ = self.self_attn(
             query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache, output_attentions
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
-        attention_output = self.post_attention_convolution(attention_output, token_mask, cache, query_positions)
+        continued = partial
+        if self.opens_block:  # the partial block joins the completed ones, and restarts from the attention's output
+            blocks, continued = with_block(blocks, partial), None
+        partial, mlp_input = self.mlp_inputs(attention_output, continued, blocks, token_mask, cache, query_positions,
+                                             dtype)  # fmt: skip
+        mlp_output = self.mlp(mlp_input)
+        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache, query_positions)
+        return (partial + fp32_operand(mlp_output)).to(dtype), blocks
 
-        if self.opens_block:
-            blocks = with_block(blocks, partial)
+    def attention_norms(self) -> tuple[Inkling2RMSNorm, ...]:
+        return (self.input_layernorm,) if self.is_sliding else (
+            self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)  # fmt: skip
+
+    def attention_inputs(self, blocks, partial, dtype) -> list[torch.Tensor]:
+        """The attention's query, key and value inputs in `dtype` (one tensor for all three in a sliding layer): the
+        stream's attention-residual mix (layer 0: the embedding), RMS-normalized. One launch where the
+        `residual_mix` kernel takes the call (a decode step)."""
+        norms = self.attention_norms()
+        if self.attention_input is None:
+            inputs = (partial,) * len(norms)
+        else:
+            fused = KERNELS.optional("residual_mix")
+            normalized = None if fused is None else fused(self.attention_input, norms, blocks, partial, dtype)
+            if normalized is not None:
+                return normalized * (3 // len(normalized))
+            inputs = self.attention_input(blocks, partial)
+        return [norm(x).to(dtype) for norm, x in zip(norms, inputs, strict=True)] * (3 // len(norms))
+
+    def mlp_inputs(self, attention_output, partial, blocks, token_mask, cache, query_positions, dtype) -> tuple:
+        """(the partial block fp32, the MoE's input in `dtype`): the attention's output through the post-attention
+        convolution joins the partial block (or starts it, where `partial` is None), then the MoE's
+        attention-residual mix, RMS-normalized. One launch, the convolution included, where the
+        `residual_mix_after_sublayer` kernel takes the step."""
+        fused = KERNELS.optional("residual_mix_after_sublayer")
+        convolution = self.post_attention_convolution
+        if fused is not None:
+            norms = (self.post_attention_layernorm,)
+            at = (attention_output, token_mask, cache, query_positions, partial, self.mlp_input, norms, blocks, dtype)
+            result = fused(convolution, *at)
+            if result is not None:
+                return result[0], result[1][0]
+        attention_output = convolution(attention_output, token_mask, cache, query_positions)
+        if partial is None:
             partial = attention_output.float()
         else:
             partial = partial.float() + fp32_operand(attention_output)  # an fp32 sum (type promotion)
-
         mlp_input = self.mlp_input(blocks, partial)[0]
-        mlp_output = self.mlp(self.post_attention_layernorm(mlp_input).to(dtype))
-        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache, query_positions)
-        return (partial + fp32_operand(mlp_output)).to(dtype), blocks
+        return partial, self.post_attention_layernorm(mlp_input).to(dtype)
 
 
 # --- models -------------------------------------------------------------------------------------------------------
@@ -736,8 +766,17 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
                 cache=past_key_values,
                 output_attentions=output_attentions,
             )
-        hidden_states = self.norm(self.final_input(blocks, partial)[0]).to(inputs_embeds.dtype)
+        hidden_states = self.readout(blocks, partial, inputs_embeds.dtype)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def readout(self, blocks, partial, dtype) -> torch.Tensor:
+        """The last hidden states in `dtype`: the readout's attention-residual mix of the stream, RMS-normalized. One
+        launch where the `residual_mix` kernel takes the call (a decode step)."""
+        fused = KERNELS.optional("residual_mix")
+        normalized = None if fused is None else fused(self.final_input, (self.norm,), blocks, partial, dtype)
+        if normalized is not None:
+            return normalized[0]
+        return self.norm(self.final_input(blocks, partial)[0]).to(dtype)
 
     def automatic_prefill_chunk(self, inputs_embeds, cache, **kwargs) -> int | None:
         """The chunk a long input runs in when the caller gives no `prefill_chunk_size`: the largest whose activations

@@ -1,0 +1,131 @@
+"""A decode step's attention-residual mixes and the RMS norms after them, one launch each.
+
+Registered as the model's `"residual_mix"` and `"residual_mix_after_sublayer"` kernels
+(`modeling.interfaces.KERNELS`). Before each sublayer and before the readout, the reference
+(`Inkling2BlockAttentionResidual`, then `Inkling2RMSNorm`) RMS-normalizes the partial block, stacks it after the
+completed blocks, takes each query's softmax over the stack, sums the weighted stack and normalizes the sum: in a
+decode step these are vectors of a few thousand channels, so the work is nothing and the launches are everything
+(19 to 33 operations per mix and norms in an uncompiled step replayed as a CUDA graph, docs/kernels.md; three or four
+reductions in a step compiled by inductor). `residual_mix_kernel` computes one mix and its norms in one program per batch row. After
+attention it also adds the attention's output to the partial block first, and where the step runs over the static
+cache's ring it computes that output's short convolution too (`post_attention_convolution`), so the convolution's
+launch goes as well.
+
+It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps) on CUDA tensors (or under
+Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package defines them,
+without hooks; everything else gets None, and the model runs the reference.
+
+Off by default until it has been measured on a GPU: `INKLING2_FUSED_RESIDUAL_MIX=1` switches it on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..cache.common import MAX_STEP_TOKENS
+from ..cache.static import Inkling2StaticCache
+from ..modeling.modeling_inkling2_text import Inkling2BlockAttentionResidual, Inkling2ShortConvolution
+from ..modeling.norms import Inkling2RMSNorm
+from ..modeling.tensors import differentiable, local_tensor
+from .attention.step import kernel_runs_on, plain_module
+from .convolution import MAX_KERNEL_SIZE
+
+ENV = "INKLING2_FUSED_RESIDUAL_MIX"
+
+
+def enabled() -> bool:
+    """Whether the fused mixes are on (`INKLING2_FUSED_RESIDUAL_MIX=1`; off by default)."""
+    return os.environ.get(ENV, "0") == "1"
+
+
+def runs_fused(mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.Tensor, *stream: torch.Tensor) -> bool:
+    """Whether the kernel may take this mix (see the module docstring); stream: the [batch, T, H] tensors it reads
+    (the partial block, a sublayer's output), the first of them not None."""
+    step = stream[0]
+    if not enabled() or not kernel_runs_on(step) or step.shape[1] > MAX_STEP_TOKENS:
+        return False
+    if not plain_module(mix, Inkling2BlockAttentionResidual) or len(norms) != mix.query.numel() // step.shape[-1]:
+        return False
+    if not all(plain_module(norm, Inkling2RMSNorm) and norm.eps == norms[0].eps for norm in norms):
+        return False
+    tensors = [tensor for tensor in stream if tensor is not None]
+    return not differentiable(blocks, *tensors, mix.query, *(norm.weight for norm in norms))
+
+
+def kernel_arguments(mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """The mix's and norms' arguments of both kernels: blocks, queries [Q, H], norm weights, eps, dtype."""
+    queries = local_tensor(mix.query).view(-1, blocks.shape[-1])
+    return blocks, queries, [local_tensor(norm.weight) for norm in norms], norms[0].eps, dtype
+
+
+def fused_residual_mix(
+    mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.Tensor, partial: torch.Tensor, dtype: torch.dtype
+) -> list[torch.Tensor] | None:
+    """`[norm(x).to(dtype) for norm, x in zip(norms, mix(blocks, partial))]` in one launch, for a call the kernel
+    takes; None where the reference runs. blocks [batch, T, n, H] fp32, partial [batch, T, H]."""
+    if not runs_fused(mix, norms, blocks, partial):
+        return None
+    from .residual_mix_kernel import residual_mix  # Triton, imported where the kernel runs
+
+    return list(residual_mix(partial, *kernel_arguments(mix, norms, blocks, dtype)).unbind(0))
+
+
+def convolution_ring(convolution: nn.Module, output: torch.Tensor, cache, query_positions) -> tuple | None:
+    """(ring, the step's `StepSlots`, weight [H, k] fp32, divisor) where the kernel may convolve `output` over the
+    static cache's ring itself (as `convolution.fused_step_convolution` would), else None."""
+    if not isinstance(cache, Inkling2StaticCache) or convolution.kernel_size > MAX_KERNEL_SIZE:
+        return None
+    if not plain_module(convolution, Inkling2ShortConvolution) or differentiable(convolution.conv1d.weight):
+        return None
+    batch, _, channels = output.shape
+    shape_only = output.new_empty(batch, channels, 0, dtype=torch.float32)  # the ring's shape, dtype and device
+    ring_and_step = cache.step_convolution_ring(
+        convolution.layer_idx, convolution.conv_idx, shape_only, convolution.kernel_size, query_positions
+    )
+    if ring_and_step is None:
+        return None
+    weight = local_tensor(convolution.conv1d.weight).float().squeeze(1)
+    return *ring_and_step, weight, math.sqrt(convolution.kernel_size + 1)
+
+
+def fused_residual_mix_after_sublayer(
+    convolution: nn.Module,
+    output: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    cache,
+    query_positions: torch.Tensor,
+    partial: torch.Tensor | None,
+    mix: nn.Module,
+    norms: Sequence[nn.Module],
+    blocks: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """After a sublayer: its output through `convolution` joins the partial block (`partial + convolved`, or the
+    convolved output alone where `partial` is None), then `fused_residual_mix` of the new partial block. Returns
+    (the new partial block [batch, T, H] fp32, the normalized inputs), or None where the reference runs. The
+    convolution runs inside the kernel where the step reads its context from the static cache's ring, else as the
+    module's own call before it."""
+    if not runs_fused(mix, norms, blocks, output, partial):
+        return None
+    from .residual_mix_kernel import residual_mix_after_sublayer  # Triton, imported where the kernel runs
+
+    ring = convolution_ring(convolution, output, cache, query_positions)
+    if ring is None:
+        output = convolution(output, token_mask, cache, query_positions)
+        inputs = (None, None, None, None, None, None, 1.0)
+    else:
+        ring_buffer, step, weight, divisor = ring
+        slots = (step.history_slots, step.history_held, step.conv_write)
+        inputs = (token_mask, ring_buffer, *slots, weight, divisor)
+    normalized, new_partial = residual_mix_after_sublayer(
+        partial, output, *inputs, *kernel_arguments(mix, norms, blocks, dtype)
+    )
+    return new_partial, list(normalized.unbind(0))
+
+
+__all__ = ["ENV", "enabled", "fused_residual_mix", "fused_residual_mix_after_sublayer", "runs_fused"]

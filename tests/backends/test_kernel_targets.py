@@ -293,6 +293,41 @@ def key_value_step_calls() -> None:
                        torch.empty(slots, dtype=torch.int64), ring_slots, ring_slots)  # fmt: skip
 
 
+def residual_mix_calls() -> None:
+    """A decode step's attention-residual mixes (`residual_mix_kernel`, as `backends/residual_mix.py` calls it): before
+    a sliding layer's attention (one query) with the fewest and the most completed blocks, before a full layer's
+    (three queries) for one token and a DSpark verification step of 8; before the MoE with the post-attention
+    convolution over the ring (one token with and without a padding mask, the partial block continued or restarted;
+    8 tokens), and with the convolution's output given."""
+    from transformers_inkling2.backends.residual_mix_kernel import residual_mix, residual_mix_after_sublayer
+
+    hidden, kernel_size = MODEL.hidden_size, MODEL.conv_kernel_size
+    most_blocks = MODEL.num_hidden_layers // MODEL.n_layers_per_attn_res_block
+    norms = [torch.empty(hidden, dtype=torch.bfloat16) for _ in range(3)]
+
+    def stream(tokens: int, blocks: int) -> tuple:
+        return torch.empty(1, tokens, hidden), torch.empty(1, tokens, blocks, hidden)
+
+    for tokens, blocks, queries in ((1, 1, 1), (1, most_blocks, 1), (1, most_blocks, 3), (8, most_blocks, 3)):
+        residual_mix(*stream(tokens, blocks), torch.empty(queries, hidden), norms[:queries], MODEL.rms_norm_eps,
+                     torch.bfloat16)  # fmt: skip
+    history = kernel_size - 1
+    for tokens, mask, continued, convolved in ((1, False, True, True), (1, True, True, True), (1, False, False, True),
+                                               (8, True, True, True), (1, False, True, False)):  # fmt: skip
+        partial, blocks = stream(tokens, most_blocks)
+        output = torch.empty(1, tokens, hidden, dtype=torch.bfloat16)
+        ring = (
+            (torch.empty(1, hidden, history + 8), torch.empty(history, dtype=torch.int64),
+             torch.empty(history, dtype=torch.bool), torch.empty(tokens, dtype=torch.int64),
+             torch.empty(hidden, kernel_size))
+            if convolved else (None,) * 5
+        )  # fmt: skip
+        residual_mix_after_sublayer(
+            partial if continued else None, output, torch.ones(1, tokens, dtype=torch.bool) if mask else None, *ring,
+            math.sqrt(kernel_size + 1), blocks, torch.empty(1, hidden), norms[:1], MODEL.rms_norm_eps, torch.bfloat16,
+        )  # fmt: skip
+
+
 def router_calls() -> None:
     """A decode step's router (`router_kernel.top_k_routing`), one and 16 rows."""
     from transformers_inkling2.backends.router_kernel import top_k_routing
@@ -328,6 +363,7 @@ def recorded(tmp_path_factory) -> dict[tuple[int, int], tuple[list[Launch], set[
             convolution_calls()
             step_convolution_calls()
             key_value_step_calls()
+            residual_mix_calls()
             projection_calls()
             router_calls()
         result[capability] = launches, {call.args[5] for call in reference.call_args_list}
@@ -434,6 +470,7 @@ DECODE_STEP_KERNELS = {
     "router_kernel._top_k_kernel",
     "convolution_kernel._step_convolution_kernel",
     "key_value_kernel._key_value_step_kernel",
+    "residual_mix_kernel._residual_mix_kernel",
     "decode_kernel._decode_partial_kernel",
     "decode_kernel._decode_merge_kernel",
 }

@@ -3,13 +3,13 @@ mix and RMS norms before attention, before the MoE (with the attention's convolv
 first) and before the readout, one launch each.
 
 Against the reference on fresh random inputs, through the decoder layer's own entry points (`attention_inputs`,
-`mlp_inputs`) with the switch on and off: fp32 within 1e-5, bf16 within two bf16 ulps in L2 (the interpreter's fp32
--> bf16 cast truncates where PyTorch rounds); with the static cache, the post-attention convolution's ring written
-the same. Steps of 1 to 8 tokens, padding in some, one, three and nine entries in the stack, a width that the kernel's
-chunks do not divide (the chunks narrowed to make several). Small on CPU under Triton's interpreter, at full width on a GPU (marked `gpu`). Then whole
-decode and verification steps of a tiny model with the mixes switched on and off (with the other fused steps on,
-their default), and the decode-step runner's compiled steps. Off by default (`INKLING2_FUSED_RESIDUAL_MIX=1` switches
-it on), and on CPU only under the interpreter.
+`mlp_inputs`) with the switch on and off: fp32 within 1e-5, bf16 within two bf16 ulps in L2 (the interpreter's fp32 ->
+bf16 cast truncates where PyTorch rounds); with the static cache, the post-attention convolution's ring written the
+same. Steps of 1 to 8 tokens, padding in some, one, three and nine entries in the stack, a width that the kernel's
+chunks do not divide (the chunks narrowed to make several). Small on CPU under Triton's interpreter, at full width on a
+GPU (marked `gpu`). Then whole decode and verification steps of a tiny model with the mixes switched on and off (with
+the other fused steps on, their default), and the decode-step runner's compiled steps. Off by default
+(`INKLING2_FUSED_RESIDUAL_MIX=1` switches it on), and on CPU only under the interpreter.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ BF16_BOUND = 2 * 2**-8  # two bf16 ulps, relative
 PROMPT, STEP_TOKENS = 11, (1, 3, 8, 2, 1)
 # layer 1: sliding, one query; layer 5: full, three queries (q / k / v inputs); layer 6: opens a block
 LAYERS = (1, 5, 6)
-WIDE = dict(hidden_size=320)  # with the tile shrunk (`narrow_chunks`): two chunks of 256, the second partly masked
+WIDE = dict(hidden_size=320)  # with the tile shrunk (`narrow_chunks`): three chunks of 128, the third partly masked
 
 
 def random_layer(index: int, fields: dict, dtype, device, seed: int) -> Inkling2DecoderLayer:

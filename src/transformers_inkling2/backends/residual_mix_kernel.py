@@ -1,8 +1,9 @@
 """A decode step's attention-residual mix and the RMS norms after it, in one Triton launch (`residual_mix`), for
 `backends/residual_mix.py`.
 
-A program owns one batch row and all of the step's tokens (at most `MAX_STEP_TOKENS`), and walks the hidden width
-in chunks (`TILE`: one chunk for a one-token step of one query) three times:
+A program owns one token of one batch row (and all of the step's tokens, at most `MAX_STEP_TOKENS`, where it
+convolves: the convolution reads the earlier ones), and walks the hidden width in chunks of at most `TILE` values (a
+one-token step of one query: 4,096 channels at a time) three times:
 1. the partial block: as given, or with a sublayer's output added (the post-attention convolution computed here over
    the static cache's ring, `convolution_kernel._step_sum`, and rounded to the output's dtype as the module returns
    it; the step's inputs written into the ring), stored in fp32; with it, its sum of squares and every query's dot
@@ -30,12 +31,14 @@ from .dependent_launch import dependent_launch
 from .dependent_launch_kernel import release_successor, wait_for_predecessor
 
 # A pass over the width is a chain of dependent loads and reductions in one program, so its chunks are few and wide:
-# a [tokens, queries, channels] tile of at most TILE fp32 values (a whole 4,608-wide row in one chunk for a one-token
-# step), over 16 warps (16 values a thread), and never narrower than MIN_BLOCK_C channels.
-TILE = 8192
-MIN_BLOCK_C = 256
-NUM_WARPS = 16
-BLOCK_EPS = 1e-6  # `with_block`'s RMS norm of the partial block
+# a [rows, channels] tile of at most TILE fp32 values (half that where the first pass convolves: its k taps' rows are
+# held at once), never narrower than MIN_BLOCK_C channels. The widest tiles that compile without spilled registers
+# inside the loops, for sm_90a and sm_100a, at every specialization the model launches (tests/backends/
+# test_kernel_targets.py reads the SASS).
+TILE = 4096
+MIN_BLOCK_C = 128
+NUM_WARPS = 8
+BLOCK_EPS = tl.constexpr(1e-6)  # `with_block`'s RMS norm of the partial block (a constexpr: the kernel reads it)
 NO_ADDEND, GIVEN_ADDEND, CONVOLVED_ADDEND = 0, 1, 2
 
 
@@ -43,26 +46,26 @@ NO_ADDEND, GIVEN_ADDEND, CONVOLVED_ADDEND = 0, 1, 2
 # fmt: off
 @triton.jit
 def _entry_weights(weights, ns, n):
-    """Every query's weight of stack entry n: [BLOCK_T, BLOCK_Q, 1] of weights [BLOCK_T, BLOCK_Q, BLOCK_N]."""
-    return tl.sum(tl.where(ns == n, weights, 0.0), 2)[:, :, None]
+    """Each row's weight of stack entry n: [BLOCK_R, 1] of weights [BLOCK_R, BLOCK_N]."""
+    return tl.sum(tl.where(ns == n, weights, 0.0), 1)[:, None]
 
 
 @triton.jit
-def _chunk_mixes(start, hidden, token_ok, stream_rows, stride_sc, block_scale, weights, blocks_row, stride_bn,
+def _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, weights, blocks_rows, stride_bn,
                  stride_bc, ns, NUM_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(channels [BLOCK_C], their mask [BLOCK_T, BLOCK_C], every query's mix over them [BLOCK_T, BLOCK_Q, BLOCK_C]):
-    sum_n weights[:, :, n] entry_n, the partial block (read at `stream_rows`, times its RMS scale) last, the products
+    """(channels [BLOCK_C], their mask [BLOCK_R, BLOCK_C], each row's mix over them [BLOCK_R, BLOCK_C]):
+    sum_n weights[:, n] entry_n, the partial block (read at `stream_rows`, times its RMS scale) last, the products
     added in the stack's order."""
     chans = start + tl.arange(0, BLOCK_C)
-    ok = token_ok[:, None] & (chans < hidden)[None, :]
+    ok = row_ok[:, None] & (chans < hidden)[None, :]
     partial = tl.load(stream_rows + chans[None, :] * stride_sc, mask=ok, other=0.0).to(tl.float32)
-    mixed = _entry_weights(weights, ns, NUM_BLOCKS) * (partial * block_scale[:, None])[:, None, :]
+    mixed = _entry_weights(weights, ns, NUM_BLOCKS) * (partial * block_scale[:, None])
     if NUM_BLOCKS > 0:
-        block = tl.load(blocks_row + chans[None, :] * stride_bc, mask=ok, other=0.0)
-        mixed_blocks = _entry_weights(weights, ns, 0) * block[:, None, :]
+        mixed_blocks = _entry_weights(weights, ns, 0) * tl.load(blocks_rows + chans[None, :] * stride_bc, mask=ok,
+                                                                 other=0.0)
         for n in tl.static_range(1, NUM_BLOCKS):
-            block = tl.load(blocks_row + n * stride_bn + chans[None, :] * stride_bc, mask=ok, other=0.0)
-            mixed_blocks = mixed_blocks + _entry_weights(weights, ns, n) * block[:, None, :]
+            block = tl.load(blocks_rows + n * stride_bn + chans[None, :] * stride_bc, mask=ok, other=0.0)
+            mixed_blocks = mixed_blocks + _entry_weights(weights, ns, n) * block
         mixed = mixed_blocks + mixed
     return chans, ok, mixed
 
@@ -78,38 +81,39 @@ def _residual_mix_kernel(
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    """grid (batch,). out[q, b, t] = norm_q(sum_n softmax_n(stack[n] . query_q / logit_divisor) stack[n]) in out's
-    dtype, stack = [blocks[b, t, 0..NUM_BLOCKS), rms_normalize(partial)]; partial = partial[b, t] (HAS_PARTIAL) plus
-    the addend (ADDEND 1: addend[b, t] as given; 2: the step convolution of addend over the ring, rounded to its
-    dtype), stored in new_partial[b, t] when there is an addend. norm_q(x) = norm_q_weight * x / sqrt(mean(x^2) +
-    eps)."""
+    """grid (batch, token blocks of BLOCK_T). out[q, b, t] = norm_q(sum_n softmax_n(stack[n] . query_q / logit_divisor)
+    stack[n]) in out's dtype, stack = [blocks[b, t, 0..NUM_BLOCKS), rms_normalize(partial)]; partial = partial[b, t]
+    (HAS_PARTIAL) plus the addend (ADDEND 1: addend[b, t] as given; 2: the step convolution of addend over the ring,
+    rounded to its dtype), stored in new_partial[b, t] when there is an addend (then with one query; where it convolves,
+    the step's tokens in one block: the convolution reads the earlier ones). norm_q(x) = norm_q_weight * x /
+    sqrt(mean(x^2) + eps). Row r of every tile is the block's token r // BLOCK_Q and query r % BLOCK_Q."""
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
-    tokens = tl.arange(0, BLOCK_T)
-    token_ok = tokens < TOKENS
-    qs = tl.arange(0, BLOCK_Q)
-    q_ok = qs < QUERIES
-    ns = tl.arange(0, BLOCK_N)[None, None, :]
-    blocks_row = blocks_ptr + b * stride_bb + tokens[:, None] * stride_bt
-    new_partial_row = new_partial_ptr + (b * TOKENS + tokens[:, None]) * hidden
+    rows = tl.arange(0, BLOCK_T * BLOCK_Q)
+    tokens, qs = tl.program_id(1) * BLOCK_T + rows // BLOCK_Q, rows % BLOCK_Q
+    row_ok = (tokens < TOKENS) & (qs < QUERIES)
+    ns = tl.arange(0, BLOCK_N)[None, :]
+    blocks_rows = blocks_ptr + b * stride_bb + tokens[:, None] * stride_bt
+    partial_rows = partial_ptr + b * stride_pb + tokens[:, None] * stride_pt
+    new_partial_rows = new_partial_ptr + (b * TOKENS + tokens[:, None]) * hidden
+    query_rows = queries_ptr + qs[:, None] * stride_qq
 
     # 1. the partial block (stored where it changes), its sum of squares, the queries' dot products with the stack
-    square_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-    dots = tl.zeros([BLOCK_T, BLOCK_Q, BLOCK_N], dtype=tl.float32)
+    square_sum = tl.zeros([BLOCK_T * BLOCK_Q], dtype=tl.float32)
+    dots = tl.zeros([BLOCK_T * BLOCK_Q, BLOCK_N], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_C):
         chans = start + tl.arange(0, BLOCK_C)
         chan_ok = chans < hidden
-        ok = token_ok[:, None] & chan_ok[None, :]
+        ok = row_ok[:, None] & chan_ok[None, :]
         if HAS_PARTIAL:
-            partial = tl.load(partial_ptr + b * stride_pb + tokens[:, None] * stride_pt + chans[None, :] * stride_pc,
-                              mask=ok, other=0.0).to(tl.float32)
+            partial = tl.load(partial_rows + chans[None, :] * stride_pc, mask=ok, other=0.0).to(tl.float32)
         else:
-            partial = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            partial = tl.zeros([BLOCK_T * BLOCK_Q, BLOCK_C], dtype=tl.float32)
         if ADDEND == 1:
             addend = tl.load(addend_ptr + b * stride_ab + tokens[:, None] * stride_at + chans[None, :] * stride_ac,
                              mask=ok, other=0.0)
             partial = partial + addend.to(tl.float32)
-        if ADDEND == 2:
+        if ADDEND == 2:  # one query: the rows are the tokens, as the convolution's
             ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
             convolved, ring_inputs, write = _step_sum(
                 addend_ptr + b * stride_ab + chans[None, :] * stride_ac, stride_at, mask_ptr + b * stride_mb,
@@ -119,53 +123,50 @@ def _residual_mix_kernel(
             partial = partial + convolved.to(addend_ptr.dtype.element_ty).to(tl.float32)
             tl.store(ring_rows + write[:, None] * stride_rs, ring_inputs, mask=ok)
         if ADDEND != 0:
-            tl.store(new_partial_row + chans[None, :], partial, mask=ok)
+            tl.store(new_partial_rows + chans[None, :], partial, mask=ok)
         square_sum += tl.sum(partial * partial, 1)
-        queries = tl.load(queries_ptr + qs[:, None] * stride_qq + chans[None, :] * stride_qc,
-                          mask=q_ok[:, None] & chan_ok[None, :], other=0.0).to(tl.float32)
-        dots += tl.where(ns == NUM_BLOCKS, tl.sum(partial[:, None, :] * queries[None, :, :], 2)[:, :, None], 0.0)
+        queries = tl.load(query_rows + chans[None, :] * stride_qc, mask=ok, other=0.0).to(tl.float32)
+        dots += tl.where(ns == NUM_BLOCKS, tl.sum(partial * queries, 1)[:, None], 0.0)
         for n in tl.static_range(NUM_BLOCKS):
-            block = tl.load(blocks_row + n * stride_bn + chans[None, :] * stride_bc, mask=ok, other=0.0)
-            dots += tl.where(ns == n, tl.sum(block[:, None, :] * queries[None, :, :], 2)[:, :, None], 0.0)
+            block = tl.load(blocks_rows + n * stride_bn + chans[None, :] * stride_bc, mask=ok, other=0.0)
+            dots += tl.where(ns == n, tl.sum(block * queries, 1)[:, None], 0.0)
 
     # the partial block's RMS scale (`with_block`), then the softmax over the stack
     block_scale = tl.div_rn(tl.zeros_like(square_sum) + 1.0,
                             tl.sqrt_rn(tl.div_rn(square_sum, tl.zeros_like(square_sum) + hidden) + BLOCK_EPS))
-    dots = tl.where(ns == NUM_BLOCKS, dots * block_scale[:, None, None], dots)
+    dots = tl.where(ns == NUM_BLOCKS, dots * block_scale[:, None], dots)
     logits = tl.where(ns <= NUM_BLOCKS, tl.div_rn(dots, tl.zeros_like(dots) + logit_divisor), float("-inf"))
-    exponents = tl.exp(logits - tl.max(logits, 2)[:, :, None])
-    weights = tl.div_rn(exponents, tl.sum(exponents, 2)[:, :, None])
+    exponents = tl.exp(logits - tl.max(logits, 1)[:, None])
+    weights = tl.div_rn(exponents, tl.sum(exponents, 1)[:, None])
     if ADDEND != 0:
         tl.debug_barrier()  # the partial block stored above is read back below, by other threads of the program
 
-    # 2. each query's mix: its sum of squares
+    # 2. each row's mix: its sum of squares
     if ADDEND != 0:
-        stream_rows, stride_sc = new_partial_row, 1
+        stream_rows, stride_sc = new_partial_rows, 1
     else:
-        stream_rows, stride_sc = partial_ptr + b * stride_pb + tokens[:, None] * stride_pt, stride_pc
-    mix_square_sum = tl.zeros([BLOCK_T, BLOCK_Q], dtype=tl.float32)
+        stream_rows, stride_sc = partial_rows, stride_pc
+    mix_square_sum = tl.zeros([BLOCK_T * BLOCK_Q], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_C):
-        _, _, mixed = _chunk_mixes(start, hidden, token_ok, stream_rows, stride_sc, block_scale, weights, blocks_row,
+        _, _, mixed = _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, weights, blocks_rows,
                                    stride_bn, stride_bc, ns, NUM_BLOCKS, BLOCK_C)
-        mix_square_sum += tl.sum(mixed * mixed, 2)
+        mix_square_sum += tl.sum(mixed * mixed, 1)
     norm_scale = tl.div_rn(tl.zeros_like(mix_square_sum) + 1.0,
                            tl.sqrt_rn(tl.div_rn(mix_square_sum, tl.zeros_like(mix_square_sum) + hidden) + eps))
 
     # 3. each mix again, normalized and weighted: the outputs
+    destination_rows = out_ptr + qs[:, None] * stride_oq + b * stride_ob + tokens[:, None] * stride_ot
     for start in range(0, hidden, BLOCK_C):
-        chans, ok, mixed = _chunk_mixes(start, hidden, token_ok, stream_rows, stride_sc, block_scale, weights,
-                                        blocks_row, stride_bn, stride_bc, ns, NUM_BLOCKS, BLOCK_C)
-        chan_ok = chans < hidden
-        norm_weight = tl.load(norm0_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+        chans, ok, mixed = _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, weights,
+                                        blocks_rows, stride_bn, stride_bc, ns, NUM_BLOCKS, BLOCK_C)
+        norm_weight = tl.load(norm0_ptr + chans[None, :] + qs[:, None] * 0, mask=ok & (qs == 0)[:, None], other=0.0)
         if QUERIES > 1:
-            second = tl.load(norm1_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-            third = tl.load(norm2_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-            norm_weight = tl.where(qs[:, None] == 0, norm_weight, tl.where(qs[:, None] == 1, second, third))
-        normalized = norm_weight[None, :, :] * (mixed * norm_scale[:, :, None])
-        destination = (out_ptr + qs[None, :, None] * stride_oq + b * stride_ob + tokens[:, None, None] * stride_ot
-                       + chans[None, None, :])
-        tl.store(destination, normalized.to(out_ptr.dtype.element_ty),
-                 mask=ok[:, None, :] & q_ok[None, :, None])
+            norm_weight += tl.load(norm1_ptr + chans[None, :] + qs[:, None] * 0, mask=ok & (qs == 1)[:, None],
+                                   other=0.0)
+            norm_weight += tl.load(norm2_ptr + chans[None, :] + qs[:, None] * 0, mask=ok & (qs == 2)[:, None],
+                                   other=0.0)
+        normalized = norm_weight.to(tl.float32) * (mixed * norm_scale[:, None])
+        tl.store(destination_rows + chans[None, :], normalized.to(out_ptr.dtype.element_ty), mask=ok)
     release_successor(PDL)  # after the last load: pass 3 reads its inputs to the end
 
 
@@ -213,10 +214,15 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
     weight_ = unused if conv_weight is None else conv_weight
     weight_strides = (0, 0) if conv_weight is None else conv_weight.stride()
     norms = [*norm_weights, *norm_weights[:1] * (3 - count)]
-    block_t, block_q = triton.next_power_of_2(length), triton.next_power_of_2(count)
-    block_c = min(triton.next_power_of_2(hidden), max(MIN_BLOCK_C, TILE // (block_t * block_q)))
+    # a program per token (rows: its queries), but per batch row where a convolution spans the step's tokens
+    convolves = mode == CONVOLVED_ADDEND
+    block_t, block_q = (triton.next_power_of_2(length) if convolves else 1), triton.next_power_of_2(count)
+    tile = TILE // 2 if convolves else TILE
+    block_c = min(triton.next_power_of_2(hidden), max(MIN_BLOCK_C, tile // (block_t * block_q)))
+    if mode != NO_ADDEND and count != 1:
+        raise ValueError(f"A sublayer's output joins the partial block before one query's mix, got {count} queries.")
     pdl = dependent_launch(like)
-    _residual_mix_kernel[(batch,)](
+    _residual_mix_kernel[(batch, 1 if convolves else length)](
         partial_, addend_, mask, ring_, unused if history_slots is None else history_slots,
         unused if history_held is None else history_held, unused if write_slots is None else write_slots, weight_,
         blocks, queries, *norms, out, new_partial, hidden, divisor, math.sqrt(hidden), eps, *partial_strides,

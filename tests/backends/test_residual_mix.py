@@ -22,8 +22,10 @@ import torch
 from inkling2_helpers import (
     ORACLE_TEXT_CONFIG,
     build_pair,
+    build_with_drafter,
     call_under_triton_interpreter,
     cast_keeping_fp32_modules,
+    greedy_generate,
     left_padded_batch,
     needs_triton,
     run_steps,
@@ -34,7 +36,13 @@ from test_decode_kernel_rows import relative_error
 from test_key_value_step import CountedLaunches
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformers_inkling2 import Inkling2Cache, Inkling2StaticCache, Inkling2TextConfig, Inkling2TextModel
+from transformers_inkling2 import (
+    Inkling2Cache,
+    Inkling2DecodeGraphs,
+    Inkling2StaticCache,
+    Inkling2TextConfig,
+    Inkling2TextModel,
+)
 from transformers_inkling2.backends import residual_mix
 from transformers_inkling2.cache.common import POST_ATTENTION_CONV
 from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2DecoderLayer
@@ -185,7 +193,6 @@ def compiled_steps_with_the_fused_mixes() -> dict:
     import torch._dynamo
     from transformers import CompileConfig
 
-    from transformers_inkling2 import Inkling2DecodeGraphs
     from transformers_inkling2.backends import residual_mix_kernel
 
     model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)
@@ -335,3 +342,20 @@ def test_gpu_model_steps_with_the_fused_mixes_equal_the_reference_steps():
     assert results["calls_by_kernel"] == {"residual_mix": 12 * 6, "residual_mix_after_sublayer": 12 * 6}
     assert results["prefill"] == 0
     assert results["difference"] <= 1e-4  # fp32 on a GPU: the other kernels' sums in another order
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_with_the_fused_mixes_equal_eager_steps(monkeypatch):
+    """Switched on, in bf16: generate() over the static cache replays captured graphs and gives exactly the tokens of
+    the same steps run eagerly, DSpark's verification steps included (the kernel inside a CUDA graph, its outputs in
+    the graph's memory)."""
+    monkeypatch.setenv(residual_mix.ENV, "1")
+    target = cast_keeping_fp32_modules(build_with_drafter(), torch.bfloat16).cuda()
+    input_ids, attention_mask = (t.cuda() for t in left_padded_batch(seed=5, length=21, pad=5))
+
+    def generate(use_cuda_graphs, **kwargs):
+        target._decode_graphs = Inkling2DecodeGraphs(target, use_cuda_graphs=use_cuda_graphs, min_bucket=16)
+        return greedy_generate(target, input_ids, attention_mask, 40, cache_implementation="static", **kwargs)
+
+    assert torch.equal(generate(use_cuda_graphs=True), generate(use_cuda_graphs=False))
+    assert torch.equal(generate(use_cuda_graphs=True, dspark=True), generate(use_cuda_graphs=False, dspark=True))

@@ -1,12 +1,13 @@
 """A decode step's attention-residual mixes on one GPU: the reference (PyTorch, eager and `torch.compile`d) against
 the fused kernel (`backends/residual_mix.py`, `INKLING2_FUSED_RESIDUAL_MIX=1`), at its tile settings.
 
-Full-width Inkling-2-Small layers (hidden 4,608), bf16, through the decoder layer's own entry points: a sliding
-layer's mix and norm before attention (one query), a full layer's (three), and the mix before the MoE after the
-post-attention convolution over the static cache's ring; each over 8 completed blocks (the most a mix of the model
-reads). One token at batch 1, 8 and 64, and an 8-token verification step at batch 1. Each variant is captured 20 times
-in one CUDA graph and replayed, as a decode step's graph replays it: us per call. `--tiles` / `--warps` time the fused
-kernel at other values of `residual_mix_kernel.TILE` / `NUM_WARPS` too (each pair compiles its own kernels).
+Full-width Inkling-2-Small layers (hidden 4,608), bf16, through the decoder layer's own entry points: a sliding layer's
+mix and norm before attention (one query), a full layer's (three), and the mix before the MoE after the post-attention
+convolution over the static cache's ring, each over 8 completed blocks (the most a mix of the model reads); and the
+layer's end, the post-MLP step convolution with the partial block added in its epilogue. One token at batch 1, 8 and 64,
+and an 8-token verification step at batch 1. Each variant is captured 20 times in one CUDA graph and replayed, as a
+decode step's graph replays it: us per call. `--tiles` / `--warps` time the fused kernel at other values of
+`residual_mix_kernel.TILE` / `NUM_WARPS` too (each pair compiles its own kernels).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -65,6 +66,9 @@ def cases(layers: dict, batch: int, tokens: int) -> dict:
         "before attention, full (3 queries)": lambda: layers[FULL].attention_inputs(blocks, partial, dtype),
         "before the MoE, convolution included": lambda: sliding.mlp_inputs(
             output, partial, blocks, None, cache, positions, dtype
+        ),
+        "the layer's end, convolution and sum": lambda: sliding.layer_output(
+            output, partial, None, cache, positions, dtype
         ),
     }
 

@@ -364,22 +364,28 @@ def set_environment(monkeypatch, values: dict) -> None:
             monkeypatch.setenv(name, value)
 
 
-def switched_step_differences(switches: list[str], module, kernels: str | tuple[str, ...], device: str = "cpu") -> dict:
+def switched_step_differences(switches: list[str], kernels: list[tuple], device: str = "cpu") -> dict:
     """A tiny model's prefill and decode / verification steps (`STEPS[:6]`: 1, 3, 1, 8, 1, 1 tokens, across the
     window of 8, taking 3 tokens back after the 8, as a rejected draft does) over the static cache with the
     environment `switches` set to "1", then to "0": the largest relative difference of any forward's logits, the
-    prefill's, and how many calls the `kernels` of `module` took (the fused kernels' entry points, counted by
-    wrapping them): in all, and by kernel."""
+    prefill's, and how many calls the `kernels` ((module, function name) pairs: the fused kernels' entry points,
+    counted by wrapping them) took while switched on: in all, and by name."""
     model = build_pair(seed=3)[0].to(device)
     input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=4))
-    kernels = (kernels,) if isinstance(kernels, str) else kernels
-    calls, originals = collections.Counter(), {name: getattr(module, name) for name in kernels}
+    calls, originals = collections.Counter(), {(module, name): getattr(module, name) for module, name in kernels}
 
-    def counted(name):
-        return lambda *args, **kwargs: calls.update([name]) or originals[name](*args, **kwargs)
+    def counted(module, name):
+        original = originals[module, name]
 
-    for name in kernels:
-        setattr(module, name, counted(name))
+        def call(*args, **kwargs):
+            if os.environ.get(switches[0]) == "1":
+                calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for module, name in kernels:
+        setattr(module, name, counted(module, name))
     logits = {}
     try:
         for switch in ("1", "0"):
@@ -387,7 +393,7 @@ def switched_step_differences(switches: list[str], module, kernels: str | tuple[
             cache = Inkling2StaticCache(model.config, max_cache_len=64)
             logits[switch] = run_steps(model, cache, input_ids, attention_mask, STEPS[:6], crop_after=3)
     finally:
-        for name, original in originals.items():
+        for (module, name), original in originals.items():
             setattr(module, name, original)
         for name in switches:
             os.environ.pop(name)

@@ -112,6 +112,9 @@ def _register_fast_paths() -> None:
     KERNELS.register(
         "residual_mix_after_sublayer", f"{_PACKAGE}.backends.residual_mix:fused_residual_mix_after_sublayer"
     )
+    KERNELS.register(
+        "residual_step_convolution", f"{_PACKAGE}.backends.residual_mix:fused_residual_step_convolution"
+    )
     quantized = f"{_PACKAGE}.quantization.checkpoints"
     LOADING_HOOKS.register("expert_storage", f"{quantized}:attach_expert_quantization", stage="config")
     LOADING_HOOKS.register("bundled_drafter", f"{_PACKAGE}.dspark.checkpoints:load_bundled_drafter", stage="model")

@@ -122,7 +122,7 @@ def model_step_differences(device: str = "cpu") -> dict:
     run) and off (`switched_step_differences`)."""
     from transformers_inkling2.backends.attention import decode_kernel, step
 
-    return switched_step_differences([step.ENV], decode_kernel, "decode_attention_step", device)
+    return switched_step_differences([step.ENV], [(decode_kernel, "decode_attention_step")], device)
 
 
 @needs_triton

@@ -261,7 +261,8 @@ def convolution_calls() -> None:
 
 def step_convolution_calls() -> None:
     """A decode step's short convolution over the static cache's ring: one token with and without a padding mask, a
-    DSpark verification step of 8 (`convolution_kernel.step_convolution`, as `fused_step_convolution` calls it)."""
+    DSpark verification step of 8 (`convolution_kernel.step_convolution`, as `fused_step_convolution` calls it), each
+    also with a residual added."""
     from transformers_inkling2.backends.convolution_kernel import step_convolution
 
     kernel_size, channels = MODEL.conv_kernel_size, MODEL.hidden_size
@@ -272,6 +273,9 @@ def step_convolution_calls() -> None:
         x = torch.empty(1, tokens, channels, dtype=torch.bfloat16)
         weight = torch.empty(channels, kernel_size)
         step_convolution(x, mask, ring, *slots, torch.empty(tokens, dtype=torch.int64), weight, kernel_size**0.5)
+        # a decoder layer's end, the partial block added (`residual_mix.fused_residual_step_convolution`)
+        step_convolution(x, mask, ring, *slots, torch.empty(tokens, dtype=torch.int64), weight, kernel_size**0.5,
+                         torch.empty(1, tokens, channels))  # fmt: skip
 
 
 def key_value_step_calls() -> None:

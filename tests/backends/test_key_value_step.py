@@ -151,7 +151,7 @@ def model_step_differences(device: str = "cpu", with_attention_step: bool = Fals
     from transformers_inkling2.backends.attention import step
 
     switches = [key_value_step.ENV] + ([step.ENV] if with_attention_step else [])
-    return switched_step_differences(switches, key_value_kernel, "key_value_step", device)
+    return switched_step_differences(switches, [(key_value_kernel, "key_value_step")], device)
 
 
 def model_step_differences_with_both_steps() -> dict:

@@ -44,7 +44,7 @@ from transformers_inkling2 import (
     Inkling2TextModel,
 )
 from transformers_inkling2.backends import residual_mix
-from transformers_inkling2.cache.common import POST_ATTENTION_CONV
+from transformers_inkling2.cache.common import POST_ATTENTION_CONV, POST_MLP_CONV
 from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2DecoderLayer
 from transformers_inkling2.modeling.norms import rms_normalize
 from transformers_inkling2.tiny import randomize_
@@ -84,11 +84,11 @@ def reference(function, *args):
 
 
 def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> list[dict]:
-    """Per layer of `LAYERS` and step: the errors of `attention_inputs` (over 1, 3 and 9 stack entries) and of
-    `mlp_inputs` (the new partial block, the MoE's input) with the fused mixes against the reference, and whether the
-    post-attention convolution's rings agree. `mlp_inputs` runs over two static caches fed the same prompt, then
-    `STEP_TOKENS` steps (the kernel convolves over the ring), and once more without a cache (it takes the
-    convolution's output as the module returns it)."""
+    """Per layer of `LAYERS` and step: the errors of `attention_inputs` (over 1, 3 and 9 stack entries), of
+    `mlp_inputs` (the new partial block, the MoE's input) and of `layer_output` with the fused mixes against the
+    reference, and whether the post-attention and post-MLP convolutions' rings agree. `mlp_inputs` and `layer_output`
+    run over two static caches fed the same prompt, then `STEP_TOKENS` steps (the kernels convolve over the ring);
+    `mlp_inputs` once more without a cache (it takes the convolution's output as the module returns it)."""
     generator = torch.Generator().manual_seed(seed)
     results = []
     for index in LAYERS:
@@ -108,9 +108,14 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
             # the reference on one cache, the fused mix on the other (a prompt: the reference on both)
             expected = reference(layer.mlp_inputs, output, continued, blocks, mask, caches[0], positions, dtype)
             got = fused(layer.mlp_inputs, output, continued, blocks, mask, caches[1], positions, dtype)
+            # the layer's end: the MoE's output through the post-MLP convolution, added to the partial block
+            moe_output = torch.randn(2, length, width, generator=generator).to(device, dtype)
+            ends = [function(layer.layer_output, moe_output, expected[0], mask, cache, positions, dtype)
+                    for function, cache in ((reference, caches[0]), (fused, caches[1]))]  # fmt: skip
             if length == PROMPT:
                 continue
-            rings = [cache.layers[index].conv_inputs[POST_ATTENTION_CONV] for cache in caches]
+            rings = [cache.layers[index].conv_inputs[conv] for conv in (POST_ATTENTION_CONV, POST_MLP_CONV)
+                     for cache in caches]  # fmt: skip
             no_cache = [function(layer.mlp_inputs, output, continued, blocks, mask, None, positions, dtype)
                         for function in (reference, fused)]  # fmt: skip
             attention = []
@@ -125,9 +130,10 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
                 attention=attention,
                 partial=relative_error(got[0], expected[0]),
                 mlp_input=relative_error(got[1], expected[1]),
-                rings=torch.equal(*rings) and bool(rings[0].abs().sum() > 0),
+                rings=all(torch.equal(*rings[i : i + 2]) and bool(rings[i].abs().sum() > 0) for i in (0, 2)),
+                layer_output=relative_error(ends[1], ends[0]),
                 without_cache=[relative_error(no_cache[1][i], no_cache[0][i]) for i in (0, 1)],
-                dtypes=[str(got[0].dtype), str(got[1].dtype), str(pair[1][0].dtype)],
+                dtypes=[str(got[0].dtype), str(got[1].dtype), str(pair[1][0].dtype), str(ends[1].dtype)],
             ))  # fmt: skip
     return results
 
@@ -153,8 +159,9 @@ def assert_layers_agree(results: list[dict], bound: float, dtype: str) -> None:
     assert [(r["layer"], r["tokens"]) for r in results] == [(i, t) for i in LAYERS for t in STEP_TOKENS]
     for result in results:
         assert result["rings"], result
-        assert result["dtypes"] == ["torch.float32", dtype, dtype], result
-        errors = [*result["attention"], result["partial"], result["mlp_input"], *result["without_cache"]]
+        assert result["dtypes"] == ["torch.float32", dtype, dtype, dtype], result
+        errors = [*result["attention"], result["partial"], result["mlp_input"], *result["without_cache"],
+                  result["layer_output"]]  # fmt: skip
         assert max(errors) <= bound, result
 
 
@@ -168,19 +175,23 @@ def test_fused_mixes_under_the_triton_interpreter_equal_the_reference():
 
 def model_step_differences(device: str = "cpu") -> dict:
     """A tiny model's steps over the static cache with the fused mixes switched on and off
-    (`switched_step_differences`), counting both kernels' calls."""
-    from transformers_inkling2.backends import residual_mix_kernel
+    (`switched_step_differences`), counting the kernels' calls (the step convolution's: the layers' ends, on CPU)."""
+    from transformers_inkling2.backends import convolution_kernel, residual_mix_kernel
 
-    kernels = ("residual_mix", "residual_mix_after_sublayer")
-    return switched_step_differences([residual_mix.ENV], residual_mix_kernel, kernels, device)
+    kernels = [(residual_mix_kernel, "residual_mix"), (residual_mix_kernel, "residual_mix_after_sublayer"),
+               (convolution_kernel, "step_convolution")]  # fmt: skip
+    return switched_step_differences([residual_mix.ENV], kernels, device)
+
+
+MODEL_KERNELS = ("residual_mix", "residual_mix_after_sublayer", "step_convolution")
 
 
 @needs_triton
 def test_model_steps_with_the_fused_mixes_equal_the_reference_steps():
     results = call_under_triton_interpreter(model_step_differences)
     # every decode and verification step (6): the attention inputs of layers 1-11 and the readout, every layer's
-    # MoE input; the prefill (21 tokens) none
-    assert results["calls_by_kernel"] == {"residual_mix": 12 * 6, "residual_mix_after_sublayer": 12 * 6}
+    # MoE input and end; the prefill (21 tokens) none
+    assert results["calls_by_kernel"] == dict.fromkeys(MODEL_KERNELS, 12 * 6)
     assert results["prefill"] == 0
     assert results["difference"] <= FP32_BOUND
 
@@ -189,11 +200,12 @@ def compiled_steps_with_the_fused_mixes() -> dict:
     """bf16 decode steps through the decode-step runner's compiled step (`fullgraph=True`, backend "eager",
     recompiles an error) with the fused mixes switched on, against the same steps run eagerly: the largest relative
     difference of the logits and the compiled steps' launches of the kernel, by its mode (0: before attention and
-    the readout; 2: after attention, convolving over the ring)."""
+    the readout; 2: after attention, convolving over the ring), and of the step convolution, by whether it adds a
+    residual (the layers' ends)."""
     import torch._dynamo
     from transformers import CompileConfig
 
-    from transformers_inkling2.backends import residual_mix_kernel
+    from transformers_inkling2.backends import convolution_kernel, residual_mix_kernel
 
     model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)
     input_ids, attention_mask = left_padded_batch(seed=6)
@@ -208,17 +220,19 @@ def compiled_steps_with_the_fused_mixes() -> dict:
         with (
             torch._dynamo.config.patch(error_on_recompile=True),
             CountedLaunches(residual_mix_kernel, "_residual_mix_kernel", "ADDEND") as launches,
+            CountedLaunches(convolution_kernel, "_step_convolution_kernel", "HAS_RESIDUAL") as ends,
         ):
             actual = run_steps(model, cache, input_ids, attention_mask, steps, forward=runner)
     difference = max(relative_error(a, e) for a, e in zip(actual, expected, strict=True))
-    return dict(difference=difference, launches=launches)
+    return dict(difference=difference, launches=launches, ends=ends)
 
 
 @needs_triton
 def test_compiled_decode_steps_take_the_fused_mixes_whole():
     results = call_under_triton_interpreter(compiled_steps_with_the_fused_mixes)
-    # three one-token steps (the prompt runs eagerly), each with 12 mixes of each kind
+    # three one-token steps (the prompt runs eagerly), each with 12 mixes of each kind and 12 layer ends
     assert results["launches"] == {"0": 12 * 3, "2": 12 * 3}
+    assert results["ends"] == {"True": 12 * 3}
     assert results["difference"] == 0  # the same kernels as the eager steps, in the same order
 
 
@@ -279,8 +293,8 @@ class DispatchedOperations(TorchDispatchMode):
 
 
 def dispatched_operations() -> dict:
-    """Per layer of `LAYERS`: the operations of `attention_inputs` and of `mlp_inputs` (over a static cache, one
-    token), with the fused mixes and without; and of the model's readout."""
+    """Per layer of `LAYERS`: the operations of `attention_inputs`, `mlp_inputs` and `layer_output` (over a static
+    cache, one token), with the fused mixes and without; and of the model's readout."""
     generator = torch.Generator().manual_seed(0)
     results = {}
     for index in LAYERS:
@@ -296,7 +310,9 @@ def dispatched_operations() -> dict:
                 function(layer.attention_inputs, blocks, partial, torch.bfloat16)
             with DispatchedOperations() as mlp:
                 function(layer.mlp_inputs, output, continued, blocks, None, cache, positions, torch.bfloat16)
-            results[f"layer {index}, {setting}"] = dict(attention=attention.names, mlp=mlp.names)
+            with DispatchedOperations() as end:
+                function(layer.layer_output, output, partial, None, cache, positions, torch.bfloat16)
+            results[f"layer {index}, {setting}"] = dict(attention=attention.names, mlp=mlp.names, end=end.names)
     model = Inkling2TextModel(Inkling2TextConfig(**ORACLE_TEXT_CONFIG)).to(torch.bfloat16).requires_grad_(False)
     partial = partial.to(torch.bfloat16)  # the last layer's output
     for setting, function in (("reference", reference), ("fused", fused)):
@@ -309,12 +325,13 @@ def dispatched_operations() -> dict:
 @needs_triton
 def test_a_fused_mix_is_one_operation_where_the_reference_takes_many():
     """With `-s` it prints the reference's counts (docs/kernels.md quotes them; on a GPU the reference's
-    post-attention convolution is one launch of its own)."""
+    convolutions are one launch each)."""
     results = call_under_triton_interpreter(dispatched_operations)
     for index in LAYERS:
         assert results[f"layer {index}, fused"] == dict(
-            attention=["inkling2.residual_mix"], mlp=["inkling2.residual_mix_after_sublayer"]
-        )
+            attention=["inkling2.residual_mix"], mlp=["inkling2.residual_mix_after_sublayer"],
+            end=["inkling2.step_convolution"],
+        )  # fmt: skip
         reference_counts = {part: len(names) for part, names in results[f"layer {index}, reference"].items()}
         print(f"layer {index}: the reference's operations {reference_counts}")
         assert min(reference_counts.values()) > 10
@@ -339,7 +356,9 @@ def test_gpu_fused_mixes_full_width(dtype):
 @pytest.mark.gpu
 def test_gpu_model_steps_with_the_fused_mixes_equal_the_reference_steps():
     results = model_step_differences("cuda")
-    assert results["calls_by_kernel"] == {"residual_mix": 12 * 6, "residual_mix_after_sublayer": 12 * 6}
+    # the step convolution's calls are the layers' ends here too: the mixes take the post-attention convolutions, the
+    # key/value step a sliding layer's k and v, and a full layer's k and v convolve with per-token taps
+    assert results["calls_by_kernel"] == dict.fromkeys(MODEL_KERNELS, 12 * 6)
     assert results["prefill"] == 0
     assert results["difference"] <= 1e-4  # fp32 on a GPU: the other kernels' sums in another order
 

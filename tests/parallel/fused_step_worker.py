@@ -21,7 +21,13 @@ import torch.distributed as dist
 from rank_report import COLLECTIVE_TIMEOUT, write_every_ranks_report
 
 from transformers_inkling2 import Inkling2ForCausalLM, Inkling2StaticCache
-from transformers_inkling2.backends import key_value_kernel, key_value_step, residual_mix, residual_mix_kernel
+from transformers_inkling2.backends import (
+    convolution_kernel,
+    key_value_kernel,
+    key_value_step,
+    residual_mix,
+    residual_mix_kernel,
+)
 from transformers_inkling2.backends.attention import decode_kernel, step
 
 STEP_TOKENS = (1, 3, 1, 8, 1)  # decode steps and verification steps
@@ -62,6 +68,7 @@ def main(checkpoint: Path, report_file: Path) -> None:
     attention_calls = counting_calls(decode_kernel, "decode_attention_step")
     key_value_calls = counting_calls(key_value_kernel, "key_value_step")
     mix_calls = [counting_calls(residual_mix_kernel, name) for name in ("residual_mix", "residual_mix_after_sublayer")]
+    mix_calls.append(counting_calls(convolution_kernel, "step_convolution"))  # the layers' ends, on CPU
     switches = (step.ENV, key_value_step.ENV, residual_mix.ENV)
     os.environ.update(dict.fromkeys(switches, "1"))
     fused = step_logits(split)

@@ -34,7 +34,7 @@ def test_fused_steps_on_each_ranks_heads_give_the_single_process_steps(tmp_path)
         assert rank["world_size"] == 2 and rank["local_heads"] == heads // 2
         assert rank["fused_calls"] == layers * 5  # every decode and verification step of every layer
         assert rank["key_value_calls"] == sliding_layers * 5  # and of every sliding layer
-        # the attention inputs of every layer but the first and the readout; every layer's MoE input
-        assert rank["mix_calls"] == [layers * 5, layers * 5]
+        # the attention inputs of every layer but the first and the readout; every layer's MoE input and end
+        assert rank["mix_calls"] == [layers * 5] * 3
         assert rank["to_plain_split"] <= 1e-5
         assert rank["to_single_process"] <= 1e-4 and rank["plain_split_to_single_process"] <= 1e-4

@@ -128,14 +128,16 @@ def _step_sum(x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs, taps
 
 @triton.jit
 def _step_convolution_kernel(
-    x_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr, weight_ptr, out_ptr, channels,
-    divisor, stride_xb, stride_xt, stride_xc, stride_mb, stride_mt, stride_rb, stride_rc, stride_rs, stride_wc,
-    stride_wk, TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr, weight_ptr, residual_ptr,
+    out_ptr, channels, divisor, stride_xb, stride_xt, stride_xc, stride_mb, stride_mt, stride_rb, stride_rc,
+    stride_rs, stride_wc, stride_wk, stride_eb, stride_et, stride_ec, TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """grid (cdiv(C, BLOCK_C), batch): out[b, t, c] = (sum_j context[t + j, c] weight[c, j] + x[b, t, c]) / divisor
-    for the step's TOKENS tokens (`_step_context` rows), the sum in the prompt kernel's order; then the step's
-    masked inputs go into the ring at write_slots, after every read of it (the step's history slots are others)."""
+    for the step's TOKENS tokens (`_step_context` rows), the sum in the prompt kernel's order (HAS_RESIDUAL: rounded
+    to out's dtype, then added to residual[b, t, c] in fp32); then the step's masked inputs go into the ring at
+    write_slots, after every read of it (the step's history slots are others)."""
     wait_for_predecessor(PDL)
     b = tl.program_id(1).to(tl.int64)
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -146,9 +148,13 @@ def _step_convolution_kernel(
                                  weight_ptr + chans[None, :] * stride_wc, stride_wk, history_slots_ptr,
                                  history_held_ptr, write_slots_ptr, chan_ok, divisor, TOKENS, KERNEL_SIZE, HAS_MASK,
                                  BLOCK_T)
-    release_successor(PDL)
     tokens = tl.arange(0, BLOCK_T)
     ok = (tokens < TOKENS)[:, None] & chan_ok
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + b * stride_eb + tokens[:, None] * stride_et + chans[None, :] * stride_ec,
+                           mask=ok, other=0.0)
+        out = residual.to(tl.float32) + out.to(out_ptr.dtype.element_ty).to(tl.float32)
+    release_successor(PDL)
     tl.store(out_ptr + (b * TOKENS + tokens[:, None]) * channels + chans[None, :], out.to(out_ptr.dtype.element_ty),
              mask=ok)
     tl.store(ring_rows + write[:, None] * stride_rs, rows, mask=ok)
@@ -165,11 +171,13 @@ def step_convolution(
     write_slots: torch.Tensor,
     weight: torch.Tensor,
     divisor: float,
+    residual: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> torch.Tensor:
     """A decode step's `(conv(context) + x) / divisor` in one launch, reading its context from the static cache's
     ring and writing the step's inputs into it (what `Inkling2StaticLayerCache.convolution_context` and the
     module's `F.conv1d` do in several). x [batch, T, C]; token_mask [batch, T] or None; ring [batch, C, slots] fp32;
-    history_slots / history_held [k - 1] and write_slots [T], the step's `StepSlots`; weight [C, k] fp32. Returns a
+    history_slots / history_held [k - 1] and write_slots [T], the step's `StepSlots`; weight [C, k] fp32; residual
+    [batch, T, C] or None: added (in fp32) to the output rounded to x's dtype, as a decoder layer ends. Returns a
     contiguous [batch, T, C] in x's dtype. A custom op: the compiled decode steps call it as it is."""
     batch, length, channels = x.shape
     kernel_size = weight.shape[-1]
@@ -180,20 +188,23 @@ def step_convolution(
         )
     if history_slots.numel() != kernel_size - 1 or history_held.numel() != kernel_size - 1:
         raise ValueError(f"Expected {kernel_size - 1} history slots for a {kernel_size}-tap convolution.")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"Expected a residual {tuple(x.shape)}, got {tuple(residual.shape)}.")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     mask, mask_strides = (x, (0, 0)) if token_mask is None else (token_mask, token_mask.stride())
+    added, added_strides = (x, (0, 0, 0)) if residual is None else (residual, residual.stride())
     pdl = dependent_launch(x)
     _step_convolution_kernel[(triton.cdiv(channels, BLOCK_C), batch)](
-        x, mask, ring, history_slots, history_held, write_slots, weight, out, channels, divisor, *x.stride(),
-        *mask_strides, *ring.stride(), *weight.stride(), TOKENS=length, KERNEL_SIZE=kernel_size,
-        HAS_MASK=token_mask is not None, BLOCK_T=triton.next_power_of_2(length), BLOCK_C=BLOCK_C, PDL=pdl,
-        num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
+        x, mask, ring, history_slots, history_held, write_slots, weight, added, out, channels, divisor, *x.stride(),
+        *mask_strides, *ring.stride(), *weight.stride(), *added_strides, TOKENS=length, KERNEL_SIZE=kernel_size,
+        HAS_MASK=token_mask is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=triton.next_power_of_2(length),
+        BLOCK_C=BLOCK_C, PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
 @step_convolution.register_fake
-def _(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor):
+def _(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

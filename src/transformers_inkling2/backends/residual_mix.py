@@ -8,7 +8,9 @@ nothing and the launches are everything (19 to 33 operations per mix and norms i
 graph, docs/kernels.md; three or four reductions in a step compiled by inductor). `residual_mix_kernel` computes one mix
 and its norms in one program per token. After attention it also adds the attention's output to the partial block first,
 and where the step runs over the static cache's ring it computes that output's short convolution too
-(`post_attention_convolution`), so the convolution's launch goes as well.
+(`post_attention_convolution`), so the convolution's launch goes as well. And at the layer's end, registered as
+`"residual_step_convolution"`, the post-MLP step convolution adds the partial block to its output in its epilogue
+(`convolution_kernel.step_convolution`'s residual), where the reference adds and rounds in launches of their own.
 
 It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps) on CUDA tensors (or under
 Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package defines them,
@@ -127,4 +129,38 @@ def fused_residual_mix_after_sublayer(
     return new_partial, list(normalized.unbind(0))
 
 
-__all__ = ["ENV", "enabled", "fused_residual_mix", "fused_residual_mix_after_sublayer", "runs_fused"]
+def fused_residual_step_convolution(
+    convolution: nn.Module,
+    output: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    cache,
+    query_positions: torch.Tensor,
+    partial: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """A decoder layer's end, `(partial + convolution(output)).to(dtype)`, as one step convolution over the static
+    cache's ring with the sum in its epilogue (`convolution_kernel.step_convolution`'s residual), where the fused
+    mixes are on, the step reads its context from the ring and the MoE's output comes in `dtype` (the kernel's output
+    dtype is its input's); None where the reference runs. partial [batch, T, H] fp32, output [batch, T, H]."""
+    if not enabled() or not kernel_runs_on(output) or output.shape[1] > MAX_STEP_TOKENS or output.dtype != dtype:
+        return None
+    if differentiable(output, partial):
+        return None
+    ring = convolution_ring(convolution, output, cache, query_positions)
+    if ring is None:
+        return None
+    ring_buffer, step, weight, divisor = ring
+    from .convolution_kernel import step_convolution  # Triton, imported where the kernel runs
+
+    slots = (step.history_slots, step.history_held, step.conv_write)
+    return step_convolution(output, token_mask, ring_buffer, *slots, weight, divisor, partial)
+
+
+__all__ = [
+    "ENV",
+    "enabled",
+    "fused_residual_mix",
+    "fused_residual_mix_after_sublayer",
+    "fused_residual_step_convolution",
+    "runs_fused",
+]

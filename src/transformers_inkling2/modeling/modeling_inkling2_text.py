@@ -470,8 +470,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         partial, mlp_input = self.mlp_inputs(attention_output, continued, blocks, token_mask, cache, query_positions,
                                              dtype)  # fmt: skip
         mlp_output = self.mlp(mlp_input)
-        mlp_output = self.post_mlp_convolution(mlp_output, token_mask, cache, query_positions)
-        return (partial + fp32_operand(mlp_output)).to(dtype), blocks
+        return self.layer_output(mlp_output, partial, token_mask, cache, query_positions, dtype), blocks
 
     def attention_norms(self) -> tuple[Inkling2RMSNorm, ...]:
         return (self.input_layernorm,) if self.is_sliding else (
@@ -512,6 +511,18 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
             partial = partial.float() + fp32_operand(attention_output)  # an fp32 sum (type promotion)
         mlp_input = self.mlp_input(blocks, partial)[0]
         return partial, self.post_attention_layernorm(mlp_input).to(dtype)
+
+    def layer_output(self, mlp_output, partial, token_mask, cache, query_positions, dtype) -> torch.Tensor:
+        """The layer's output in `dtype`: the partial block (fp32) plus the MoE's output through the post-MLP
+        convolution. One launch where the `residual_step_convolution` kernel takes the step (the sum in the step
+        convolution's epilogue)."""
+        convolution = self.post_mlp_convolution
+        fused = KERNELS.optional("residual_step_convolution")
+        at = (token_mask, cache, query_positions)
+        output = None if fused is None else fused(convolution, mlp_output, *at, partial, dtype)
+        if output is not None:
+            return output
+        return (partial + fp32_operand(convolution(mlp_output, *at))).to(dtype)
 
 
 # --- models -------------------------------------------------------------------------------------------------------

@@ -401,6 +401,56 @@ def switched_step_differences(switches: list[str], kernels: list[tuple], device:
     return dict(difference=max(differences), prefill=differences[0], calls=calls.total(), calls_by_kernel=calls)
 
 
+class CountedLaunches:
+    """Stands in for a Triton kernel in its module, counting its launches by the value of one launch option: the
+    launches inside a custom op happen at run time, also in a compiled graph (which a Python wrapper of the op would
+    only see while tracing)."""
+
+    def __init__(self, module, name: str, option: str):
+        self.module, self.name, self.option = module, name, option
+        self.kernel, self.counts = getattr(module, name), collections.Counter()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counts[str(kwargs[self.option])] += 1
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+    def __enter__(self):
+        setattr(self.module, self.name, self)
+        return self.counts
+
+    def __exit__(self, *exc_info):
+        setattr(self.module, self.name, self.kernel)
+
+
+def compiled_step_launches(switches: dict[str, str], kernels: list[tuple], steps: int = 3) -> dict:
+    """bf16 one-token decode steps of a tiny model through the decode-step runner's compiled step (`fullgraph=True`,
+    backend "eager", recompiles an error) with the environment `switches` set, against the same steps run eagerly:
+    the largest relative difference of the logits ("difference"), and for each (module, Triton kernel, launch option)
+    of `kernels` the compiled steps' launches of the kernel by that option's value ("launches", in order). A fused
+    path must trace whole for the compiled steps to take it."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    from transformers_inkling2 import Inkling2DecodeGraphs
+
+    model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)  # `torch._grouped_mm` takes bf16 only
+    input_ids, attention_mask = left_padded_batch(seed=6)
+    with mock.patch.dict(os.environ, switches), contextlib.ExitStack() as stack:
+        cache = Inkling2StaticCache(model.config, max_cache_len=64)
+        expected = run_steps(model, cache, input_ids, attention_mask, [1] * steps)
+        torch._dynamo.reset()
+        compile_config = CompileConfig(backend="eager", fullgraph=True)
+        runner = Inkling2DecodeGraphs(model, use_cuda_graphs=False, min_bucket=64, compile_config=compile_config)
+        cache = Inkling2StaticCache(model.config, max_cache_len=64)
+        stack.enter_context(torch._dynamo.config.patch(error_on_recompile=True))
+        launches = [stack.enter_context(CountedLaunches(*kernel)) for kernel in kernels]
+        actual = run_steps(model, cache, input_ids, attention_mask, [1] * steps, forward=runner)
+    return dict(difference=max(relative_differences(actual, expected)), launches=launches)
+
+
 # the TP8 launch took 229 s at most on 2 cores that other jobs shared; a hung launch is killed (the worker's
 # collectives give up after 5 minutes first and say which one hung)
 LAUNCH_TIMEOUT = 600  # seconds

@@ -12,7 +12,6 @@ switches it off), and on CPU only under the interpreter.
 
 from __future__ import annotations
 
-import collections
 import os
 from unittest import mock
 
@@ -20,12 +19,9 @@ import pytest
 import torch
 from inkling2_helpers import (
     ORACLE_TEXT_CONFIG,
-    build_pair,
     call_under_triton_interpreter,
-    cast_keeping_fp32_modules,
-    left_padded_batch,
+    compiled_step_launches,
     needs_triton,
-    run_steps,
     set_environment,
     switched_step_differences,
 )
@@ -158,61 +154,20 @@ def model_step_differences_with_both_steps() -> dict:
     return model_step_differences(with_attention_step=True)
 
 
-class CountedLaunches:
-    """Stands in for a Triton kernel in its module, counting its launches by the value of one launch option: the
-    launches inside a custom op happen at run time, also in a compiled graph (which a Python wrapper of the op would
-    only see while tracing)."""
-
-    def __init__(self, module, name: str, option: str):
-        self.module, self.name, self.option = module, name, option
-        self.kernel, self.counts = getattr(module, name), collections.Counter()
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.counts[str(kwargs[self.option])] += 1
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-    def __enter__(self):
-        setattr(self.module, self.name, self)
-        return self.counts
-
-    def __exit__(self, *exc_info):
-        setattr(self.module, self.name, self.kernel)
-
-
 def compiled_steps_with_both_fused_steps() -> dict:
-    """bf16 decode steps through the decode-step runner's compiled step (`fullgraph=True`, backend "eager", recompiles
-    an error) with both fused steps switched on, against the same steps run eagerly: the largest relative difference
-    of the logits, and the compiled steps' launches of the key/value kernel and of the decode kernel with (True) and
-    without the fused attention step's prologue. Both fused paths must trace whole for the compiled decode steps to
-    take them."""
-    import torch._dynamo
-    from transformers import CompileConfig
-
-    from transformers_inkling2 import Inkling2DecodeGraphs
+    """bf16 decode steps through the decode-step runner's compiled step with both fused steps switched on, against the
+    same steps run eagerly (`compiled_step_launches`): the key/value kernel's launches, and the decode kernel's with
+    (True) and without the fused attention step's prologue. Both fused paths must trace whole for the compiled decode
+    steps to take them."""
     from transformers_inkling2.backends import key_value_kernel
     from transformers_inkling2.backends.attention import decode_kernel, step
 
-    model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)  # `torch._grouped_mm` takes bf16 only
-    input_ids, attention_mask = left_padded_batch(seed=6)
-    steps = [1] * 4
-    with mock.patch.dict(os.environ, {step.ENV: "1", key_value_step.ENV: "1"}):
-        cache = Inkling2StaticCache(model.config, max_cache_len=64)
-        expected = run_steps(model, cache, input_ids, attention_mask, steps)
-        torch._dynamo.reset()
-        compile_config = CompileConfig(backend="eager", fullgraph=True)
-        runner = Inkling2DecodeGraphs(model, use_cuda_graphs=False, min_bucket=64, compile_config=compile_config)
-        cache = Inkling2StaticCache(model.config, max_cache_len=64)
-        with (
-            torch._dynamo.config.patch(error_on_recompile=True),
-            CountedLaunches(key_value_kernel, "_key_value_step_kernel", "HEAD_DIM") as key_value,
-            CountedLaunches(decode_kernel, "_decode_partial_kernel", "PREPARE") as attention,
-        ):
-            actual = run_steps(model, cache, input_ids, attention_mask, steps, forward=runner)
-    difference = max(relative_error(a, e) for a, e in zip(actual, expected, strict=True))
-    return dict(difference=difference, key_value_launches=sum(key_value.values()), attention_launches=attention)
+    kernels = [(key_value_kernel, "_key_value_step_kernel", "HEAD_DIM"), (decode_kernel, "_decode_partial_kernel",
+                                                                          "PREPARE")]  # fmt: skip
+    results = compiled_step_launches({step.ENV: "1", key_value_step.ENV: "1"}, kernels, steps=4)
+    key_value, attention = results["launches"]
+    return dict(difference=results["difference"], key_value_launches=sum(key_value.values()),
+                attention_launches=attention)  # fmt: skip
 
 
 def assert_caches_agree(results: list[dict], bound: float | None) -> None:

@@ -21,19 +21,17 @@ import pytest
 import torch
 from inkling2_helpers import (
     ORACLE_TEXT_CONFIG,
-    build_pair,
     build_with_drafter,
     call_under_triton_interpreter,
     cast_keeping_fp32_modules,
+    compiled_step_launches,
     greedy_generate,
     left_padded_batch,
     needs_triton,
-    run_steps,
     set_environment,
     switched_step_differences,
 )
 from test_decode_kernel_rows import relative_error
-from test_key_value_step import CountedLaunches
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformers_inkling2 import (
@@ -197,34 +195,17 @@ def test_model_steps_with_the_fused_mixes_equal_the_reference_steps():
 
 
 def compiled_steps_with_the_fused_mixes() -> dict:
-    """bf16 decode steps through the decode-step runner's compiled step (`fullgraph=True`, backend "eager",
-    recompiles an error) with the fused mixes switched on, against the same steps run eagerly: the largest relative
-    difference of the logits and the compiled steps' launches of the kernel, by its mode (0: before attention and
-    the readout; 2: after attention, convolving over the ring), and of the step convolution, by whether it adds a
-    residual (the layers' ends)."""
-    import torch._dynamo
-    from transformers import CompileConfig
-
+    """The decode-step runner's compiled steps with the fused mixes switched on, against the same steps run eagerly
+    (`compiled_step_launches`): the kernel's launches by its mode (0: before attention and the readout; 2: after
+    attention, convolving over the ring), and the step convolution's by whether it adds a residual (the layers'
+    ends)."""
     from transformers_inkling2.backends import convolution_kernel, residual_mix_kernel
 
-    model = cast_keeping_fp32_modules(build_pair(seed=4)[0], torch.bfloat16)
-    input_ids, attention_mask = left_padded_batch(seed=6)
-    steps = [1] * 3
-    with mock.patch.dict(os.environ, {residual_mix.ENV: "1"}):
-        cache = Inkling2StaticCache(model.config, max_cache_len=64)
-        expected = run_steps(model, cache, input_ids, attention_mask, steps)
-        torch._dynamo.reset()
-        compile_config = CompileConfig(backend="eager", fullgraph=True)
-        runner = Inkling2DecodeGraphs(model, use_cuda_graphs=False, min_bucket=64, compile_config=compile_config)
-        cache = Inkling2StaticCache(model.config, max_cache_len=64)
-        with (
-            torch._dynamo.config.patch(error_on_recompile=True),
-            CountedLaunches(residual_mix_kernel, "_residual_mix_kernel", "ADDEND") as launches,
-            CountedLaunches(convolution_kernel, "_step_convolution_kernel", "HAS_RESIDUAL") as ends,
-        ):
-            actual = run_steps(model, cache, input_ids, attention_mask, steps, forward=runner)
-    difference = max(relative_error(a, e) for a, e in zip(actual, expected, strict=True))
-    return dict(difference=difference, launches=launches, ends=ends)
+    kernels = [(residual_mix_kernel, "_residual_mix_kernel", "ADDEND"),
+               (convolution_kernel, "_step_convolution_kernel", "HAS_RESIDUAL")]  # fmt: skip
+    results = compiled_step_launches({residual_mix.ENV: "1"}, kernels)
+    launches, ends = results["launches"]
+    return dict(difference=results["difference"], launches=launches, ends=ends)
 
 
 @needs_triton

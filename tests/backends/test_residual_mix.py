@@ -102,7 +102,7 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
             mask = None if length % 3 else (torch.rand(2, length, generator=generator) > 0.3).to(device)
             output = torch.randn(2, length, width, generator=generator).to(device, dtype)
             partial, blocks = random_stream(2, length, 1 + index // 6, width, dtype, device, generator)
-            continued = None if layer.opens_block else partial.float()
+            continued = None if layer.opens_block else partial  # in the layer's dtype, as the fused path hands it on
             # the reference on one cache, the fused mix on the other (a prompt: the reference on both)
             expected = reference(layer.mlp_inputs, output, continued, blocks, mask, caches[0], positions, dtype)
             got = fused(layer.mlp_inputs, output, continued, blocks, mask, caches[1], positions, dtype)
@@ -119,7 +119,7 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
             attention = []
             for entries in (1, 3, 9):
                 partial, blocks = random_stream(2, length, entries, width, dtype, device, generator)
-                pair = [function(layer.attention_inputs, blocks, partial.float(), dtype)
+                pair = [function(layer.attention_inputs, blocks, partial, dtype)[0]
                         for function in (reference, fused)]  # fmt: skip
                 attention.append(max(relative_error(g, e) for g, e in zip(pair[1], pair[0], strict=True)))
             results.append(dict(
@@ -283,19 +283,19 @@ def dispatched_operations() -> dict:
         partial, blocks = random_stream(1, 1, 2, 64, torch.bfloat16, "cpu", generator)
         output = torch.randn(1, 1, 64, generator=generator).to(torch.bfloat16)
         cache = Inkling2StaticCache(layer.self_attn.config, max_cache_len=16)
-        partial = partial.float()  # as the layer hands it on
-        continued, positions = None if layer.opens_block else partial, torch.arange(1)
+        positions = torch.arange(1)
         for setting, function in (("reference", reference), ("fused", fused)):  # the reference makes the ring
             cache.begin_step(positions)
-            with DispatchedOperations() as attention:
-                function(layer.attention_inputs, blocks, partial, torch.bfloat16)
+            with DispatchedOperations() as attention:  # the layer's bf16 input: the reference converts it here
+                _, continued = function(layer.attention_inputs, blocks, partial, torch.bfloat16)
+            continued = None if layer.opens_block else continued
             with DispatchedOperations() as mlp:
                 function(layer.mlp_inputs, output, continued, blocks, None, cache, positions, torch.bfloat16)
+            new_partial = partial.float()  # as `mlp_inputs` hands it on
             with DispatchedOperations() as end:
-                function(layer.layer_output, output, partial, None, cache, positions, torch.bfloat16)
+                function(layer.layer_output, output, new_partial, None, cache, positions, torch.bfloat16)
             results[f"layer {index}, {setting}"] = dict(attention=attention.names, mlp=mlp.names, end=end.names)
     model = Inkling2TextModel(Inkling2TextConfig(**ORACLE_TEXT_CONFIG)).to(torch.bfloat16).requires_grad_(False)
-    partial = partial.to(torch.bfloat16)  # the last layer's output
     for setting, function in (("reference", reference), ("fused", fused)):
         with DispatchedOperations() as readout:
             function(model.readout, blocks, partial, torch.bfloat16)

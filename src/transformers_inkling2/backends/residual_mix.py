@@ -4,7 +4,7 @@ Registered as the model's `"residual_mix"` and `"residual_mix_after_sublayer"` k
 Before each sublayer and before the readout, the reference (`Inkling2BlockAttentionResidual`, then `Inkling2RMSNorm`)
 RMS-normalizes the partial block, stacks it after the completed blocks, takes each query's softmax over the stack, sums
 the weighted stack and normalizes the sum: in a decode step these are vectors of a few thousand channels, so the work is
-nothing and the launches are everything (19 to 33 operations per mix and norms in an uncompiled step replayed as a CUDA
+nothing and the launches are everything (20 to 34 operations per mix and norms in an uncompiled step replayed as a CUDA
 graph, docs/kernels.md; three or four reductions in a step compiled by inductor). `residual_mix_kernel` computes one mix
 and its norms in one program per token. After attention it also adds the attention's output to the partial block first,
 and where the step runs over the static cache's ring it computes that output's short convolution too

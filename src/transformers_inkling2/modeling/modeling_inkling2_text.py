@@ -458,8 +458,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None, output_attentions=False
     ):
         dtype = partial.dtype
-        partial = shared_fp32(partial)  # the mixes and the sum below each read it in fp32
-        query_input, key_input, value_input = self.attention_inputs(blocks, partial, dtype)
+        (query_input, key_input, value_input), partial = self.attention_inputs(blocks, partial, dtype)
         attention_output, _ = self.self_attn(
             query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache, output_attentions
         )
@@ -473,23 +472,24 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         return self.layer_output(mlp_output, partial, token_mask, cache, query_positions, dtype), blocks
 
     def attention_norms(self) -> tuple[Inkling2RMSNorm, ...]:
+        """The norms of the attention's inputs: one in a sliding layer, the query's, key's and value's in a full one."""
         return (self.input_layernorm,) if self.is_sliding else (
             self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)  # fmt: skip
 
-    def attention_inputs(self, blocks, partial, dtype) -> list[torch.Tensor]:
-        """The attention's query, key and value inputs in `dtype` (one tensor for all three in a sliding layer): the
-        stream's attention-residual mix (layer 0: the embedding), RMS-normalized. One launch where the
-        `residual_mix` kernel takes the call (a decode step)."""
+    def attention_inputs(self, blocks, partial, dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(the attention's query, key and value inputs in `dtype`, one tensor for all three in a sliding layer: the
+        stream's attention-residual mix, layer 0's embedding, RMS-normalized; the partial block as the rest of the
+        layer reads it). One launch where the `residual_mix` kernel takes the call (a decode step): it reads the
+        partial block in its own dtype, where the reference converts it to fp32 once for all its readers."""
         norms = self.attention_norms()
-        if self.attention_input is None:
-            inputs = (partial,) * len(norms)
-        else:
+        if self.attention_input is not None:
             fused = KERNELS.optional("residual_mix")
             normalized = None if fused is None else fused(self.attention_input, norms, blocks, partial, dtype)
             if normalized is not None:
-                return normalized * (3 // len(normalized))
-            inputs = self.attention_input(blocks, partial)
-        return [norm(x).to(dtype) for norm, x in zip(norms, inputs, strict=True)] * (3 // len(norms))
+                return normalized * (3 // len(normalized)), partial
+        partial = shared_fp32(partial)  # the mix and the sums after it each read it in fp32
+        inputs = (partial,) * len(norms) if self.attention_input is None else self.attention_input(blocks, partial)
+        return [norm(x).to(dtype) for norm, x in zip(norms, inputs, strict=True)] * (3 // len(norms)), partial
 
     def mlp_inputs(self, attention_output, partial, blocks, token_mask, cache, query_positions, dtype) -> tuple:
         """(the partial block fp32, the MoE's input in `dtype`): the attention's output through the post-attention

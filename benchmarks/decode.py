@@ -13,7 +13,8 @@
    weights; peak memory.
 3. `--per-layer VARIANT ...` (instead of 1 and 2): what one layer of a batch-1, 8 and 64 decode step costs against
    the bytes it reads, at 2k tokens of context, over `Inkling2StaticCache` with the step `torch.compile`d inside
-   CUDA graphs (what `generate(..., compile_config=CompileConfig())` runs on a GPU). Per layer means the slope
+   CUDA graphs (what `generate(..., compile_config=CompileConfig())` runs on a GPU; with `--graphs-only`, captured
+   without compiling, what plain `generate()` runs). Per layer means the slope
    between a 2-layer and a 6-layer slice (the last layer full attention, the others sliding) divided by 4, so the
    embedding, the lm_head and the full layer drop out: kernels launched (from a profile of the replays), bytes
    read (the layer's weights, the experts the batch touches in expectation under uniform routing, its cached keys
@@ -42,8 +43,9 @@ switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that setting's runner 
 `key=value` (an inductor option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=False`), or several
 of those joined by commas (`INKLING2_FUSED_ATTENTION_STEP=1,INKLING2_FUSED_KEY_VALUE_STEP=1`). Reports step ms
 (median, range over the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting;
-`decode_compare.md`. The steps are `torch.compile`d inside their graphs; with `--graphs-only` they are captured as
-plain `generate()` captures them, without compiling (then only environment switches make settings).
+`decode_compare.md`. The steps are `torch.compile`d inside their graphs; with `--graphs-only` (with `--per-layer`,
+the slope or `--compare`) they are captured as plain `generate()` captures them, without compiling (then only
+environment switches make `--compare` settings).
 
 `--inductor-config KEY=VALUE ...` sets `torch._inductor.config` entries (dotted keys reach its sub-configs; True /
 False and integers are parsed) before anything compiles: to measure a compiler switch on the compiled steps (the
@@ -322,8 +324,9 @@ def profiled_kernels(step, steps: int = 3) -> tuple[float, float, dict]:
     return sum(c for c, _ in by_name.values()), sum(us for _, us in by_name.values()) / 1000, by_name
 
 
-def slice_decode(model, batch: int, context: int, repeats: int) -> dict:
-    """One decode step after `context` tokens per row: ms (median of `repeats`), kernels, GPU ms, bytes read."""
+def slice_decode(model, batch: int, context: int, repeats: int, compiled: bool = True) -> dict:
+    """One decode step after `context` tokens per row, `torch.compile`d inside its CUDA graph unless `compiled` is
+    False: ms (median of `repeats`), kernels, GPU ms, bytes read."""
     from full_scale import decode_step_bytes
     from transformers import CompileConfig
 
@@ -332,7 +335,7 @@ def slice_decode(model, batch: int, context: int, repeats: int) -> dict:
     cache = Inkling2StaticCache(model.config, context + 64, batch)
     generator = torch.Generator(device=DEVICE).manual_seed(batch)
     ids = torch.randint(0, 8000, (batch, context), device=DEVICE, generator=generator)
-    runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig())
+    runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig() if compiled else None)
     token = ids[:, -1:]
 
     def step():
@@ -354,7 +357,9 @@ def per_layer_benchmark(args) -> list[dict]:
         for layers in SLOPE_LAYERS:
             model = random_slice(layer_slice_config(variant, layers))
             for batch in args.batches:
-                steps[layers, batch] = guarded(lambda: slice_decode(model, batch, args.context, args.steps))
+                steps[layers, batch] = guarded(
+                    lambda: slice_decode(model, batch, args.context, args.steps, not args.graphs_only)
+                )
                 print(variant, layers, batch, {k: v for k, v in steps[layers, batch].items() if k != "by_name"}
                       if isinstance(steps[layers, batch], dict) else steps[layers, batch], flush=True)  # fmt: skip
             del model
@@ -499,11 +504,13 @@ def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) ->
     )  # fmt: skip
     batches = " ".join(map(str, args.batches))
     inductor = f" --inductor-config {' '.join(args.inductor_config)}" if args.inductor_config else ""
+    graphs_only = " --graphs-only" if args.graphs_only else ""
+    step = "CUDA graphs without `torch.compile`" if args.graphs_only else "`torch.compile` inside CUDA graphs"
     text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "
-            f"--per-layer {' '.join(args.per_layer)} --context {args.context} --batches {batches}{inductor}`; "
-            f"copy bandwidth {bandwidth:.0f} GB/s\n",
+            f"--per-layer {' '.join(args.per_layer)} --context {args.context} --batches {batches}{inductor}"
+            f"{graphs_only}`; copy bandwidth {bandwidth:.0f} GB/s\n",
             "Per layer: the slope between a 2- and a 6-layer slice (step at 6 layers minus step at 2, over 4), "
-            f"{args.context} tokens of context per row, static cache, `torch.compile` inside CUDA graphs.\n", table]
+            f"{args.context} tokens of context per row, static cache, {step}.\n", table]
     for variant, kernels in busiest.items():
         text += [f"\nOne `{variant}` layer's kernels at batch {args.batches[0]}, by GPU time (the same slope; all in "
                  "the JSON):\n",
@@ -591,7 +598,7 @@ def main():
     parser.add_argument("--compare", nargs="+", metavar="SETTING",
                         help="with --per-layer: time one step under each setting, interleaved (see above)")
     parser.add_argument("--graphs-only", action="store_true",
-                        help="with --compare: capture the steps without torch.compile, as plain generate() runs them")
+                        help="with --per-layer: capture the steps without torch.compile, as plain generate() runs them")
     parser.add_argument("--inductor-config", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config entries to set first, e.g. coordinate_descent_tuning=True")
     args = parser.parse_args()
@@ -603,9 +610,9 @@ def main():
     except ValueError as error:
         sys.exit(f"{error}: --compare takes base, NAME=VALUE (an environment switch), key=value (an inductor option) "
                  "or several of those joined by commas")
-    if args.graphs_only and (not args.compare or any(setting_parts(setting)[1] for setting in args.compare)):
-        sys.exit("--graphs-only goes with --compare settings of environment switches only (inductor options need the "
-                 "compiled steps)")
+    if args.graphs_only and (not args.per_layer or any(setting_parts(setting)[1] for setting in args.compare or ())):
+        sys.exit("--graphs-only goes with --per-layer, and with --compare settings of environment switches only "
+                 "(inductor options need the compiled steps)")
     set_inductor_config(args.inductor_config)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode.py needs a CUDA GPU")

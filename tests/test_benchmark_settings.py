@@ -58,13 +58,12 @@ def test_switches_are_set_inside_and_restored_after(decode, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "arguments",
-    [["--per-layer", "nvfp4", "--graphs-only"], ["--per-layer", "nvfp4", "--compare", "base", "combo_kernels=False",
-                                                 "--graphs-only"]],
+    "arguments", [["--readout", "--graphs-only"], ["--per-layer", "nvfp4", "--compare", "combo_kernels=False",
+                                                   "--graphs-only"]],
 )  # fmt: skip
-def test_graphs_only_takes_compare_settings_of_switches_only(decode, arguments):
-    """Uncompiled captures have no inductor options to set, and nothing to compare without `--compare`."""
+def test_graphs_only_goes_with_per_layer_and_switches_only(decode, arguments):
+    """Uncompiled captures are the per-layer parts' (slope and `--compare`), and have no inductor options to set."""
     with mock.patch.object(sys, "argv", ["decode.py", *arguments]):
         with pytest.raises(SystemExit) as exited:
             decode.main()
-    assert "--graphs-only goes with --compare settings of environment switches only" in str(exited.value.code)
+    assert "--graphs-only goes with --per-layer" in str(exited.value.code)

@@ -1,5 +1,5 @@
-"""A decode step's attention-residual mix and the RMS norms after it, in one Triton launch (`residual_mix`), for
-`backends/residual_mix.py`.
+"""A decode step's attention-residual mix and the RMS norms after it, in one Triton launch (`residual_mix`; after a
+sublayer's output joins the partial block, `residual_mix_after_sublayer`), for `backends/residual_mix.py`.
 
 A program owns one token of one batch row (and all of the step's tokens, at most `MAX_STEP_TOKENS`, where it
 convolves: the convolution reads the earlier ones), and walks the hidden width in chunks of at most `TILE` values (a

@@ -60,7 +60,8 @@ def random_layer(index: int, fields: dict, dtype, device, seed: int) -> Inkling2
     config = Inkling2TextConfig(**{**ORACLE_TEXT_CONFIG, **fields})
     layer = randomize_(Inkling2DecoderLayer(config, index), seed)
     with torch.no_grad():  # convolution taps of the size the model's are trained to (so that they matter)
-        layer.post_attention_convolution.conv1d.weight.mul_(5)
+        for convolution in (layer.post_attention_convolution, layer.post_mlp_convolution):
+            convolution.conv1d.weight.mul_(5)
     return cast_keeping_fp32_modules(layer, dtype).to(device).requires_grad_(False)
 
 

@@ -190,6 +190,8 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
         raise ValueError("Expected contiguous norm weights.")
     if addend is not None and addend.shape != like.shape:
         raise ValueError(f"Expected the sublayer's output {tuple(like.shape)}, got {tuple(addend.shape)}.")
+    if mode != NO_ADDEND and count != 1:
+        raise ValueError(f"A sublayer's output joins the partial block before one query's mix, got {count} queries.")
     out = like.new_empty((count, batch, length, hidden), dtype=dtype)
     new_partial = like.new_empty((batch, length, hidden) if addend is not None else (0,), dtype=torch.float32)
     kernel_size, history_slots, history_held, write_slots = 1, None, None, None
@@ -219,8 +221,6 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
     block_t, block_q = (triton.next_power_of_2(length) if convolves else 1), triton.next_power_of_2(count)
     tile = TILE // 2 if convolves else TILE
     block_c = min(triton.next_power_of_2(hidden), max(MIN_BLOCK_C, tile // (block_t * block_q)))
-    if mode != NO_ADDEND and count != 1:
-        raise ValueError(f"A sublayer's output joins the partial block before one query's mix, got {count} queries.")
     pdl = dependent_launch(like)
     _residual_mix_kernel[(batch, 1 if convolves else length)](
         partial_, addend_, mask, ring_, unused if history_slots is None else history_slots,
@@ -230,8 +230,7 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
         *out.stride()[:3], TOKENS=length, NUM_BLOCKS=num_blocks, QUERIES=count, ADDEND=mode,
         HAS_PARTIAL=partial is not None, KERNEL_SIZE=kernel_size, HAS_MASK=token_mask is not None,
         BLOCK_T=block_t, BLOCK_Q=block_q, BLOCK_N=triton.next_power_of_2(num_blocks + 1), BLOCK_C=block_c, PDL=pdl,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False, launch_pdl=pdl,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
     )  # fmt: skip
     return out, new_partial
 

@@ -52,17 +52,25 @@ def fused_prompt_convolution(context: torch.Tensor, x: torch.Tensor, weight: tor
     return short_convolution(context, x, weight.squeeze(1), divisor)
 
 
-def fused_step_convolution(x, token_mask, cache, layer_idx, conv_idx, query_positions, weight, divisor):
-    """`Inkling2ShortConvolution`'s output for a CUDA step of x [batch, T, C] over a static cache, its inputs written
-    into the cache's ring, in one launch; None where the reference runs (see the module docstring). weight [C, 1, k]
-    fp32 as `F.conv1d` takes it."""
-    if not isinstance(cache, Inkling2StaticCache) or not x.is_cuda or x.shape[1] > MAX_STEP_TOKENS:
+def step_ring(x, cache, layer_idx, conv_idx, query_positions, weight) -> tuple | None:
+    """(the ring [batch, C, slots] of this convolution's fp32 inputs in the static cache, the step's `StepSlots`)
+    where a kernel may convolve the step x [batch, T, C] over it in one launch: an `Inkling2StaticCache`, at most
+    `MAX_STEP_TOKENS` tokens whose whole context the ring holds, at most `MAX_KERNEL_SIZE` taps (weight [C, 1, k]), no
+    gradients; else None. Which device runs the kernel is the caller's to decide."""
+    if not isinstance(cache, Inkling2StaticCache) or x.shape[1] > MAX_STEP_TOKENS:
         return None
     if weight.shape[-1] > MAX_KERNEL_SIZE or differentiable(x, weight):
         return None
     batch, _, channels = x.shape
     shape_only = x.new_empty(batch, channels, 0, dtype=torch.float32)  # the ring's shape, dtype and device
-    ring_and_step = cache.step_convolution_ring(layer_idx, conv_idx, shape_only, weight.shape[-1], query_positions)
+    return cache.step_convolution_ring(layer_idx, conv_idx, shape_only, weight.shape[-1], query_positions)
+
+
+def fused_step_convolution(x, token_mask, cache, layer_idx, conv_idx, query_positions, weight, divisor):
+    """`Inkling2ShortConvolution`'s output for a CUDA step of x [batch, T, C] over a static cache, its inputs written
+    into the cache's ring, in one launch; None where the reference runs (see the module docstring and `step_ring`).
+    weight [C, 1, k] fp32 as `F.conv1d` takes it."""
+    ring_and_step = step_ring(x, cache, layer_idx, conv_idx, query_positions, weight) if x.is_cuda else None
     if ring_and_step is None:
         return None
     ring, step = ring_and_step
@@ -79,4 +87,5 @@ __all__ = [
     "fused_step_convolution",
     "runs_fused",
     "short_convolution_sum",
+    "step_ring",
 ]

@@ -29,12 +29,11 @@ import torch
 from torch import nn
 
 from ..cache.common import MAX_STEP_TOKENS
-from ..cache.static import Inkling2StaticCache
 from ..modeling.modeling_inkling2_text import Inkling2BlockAttentionResidual, Inkling2ShortConvolution
 from ..modeling.norms import Inkling2RMSNorm
 from ..modeling.tensors import differentiable, local_tensor
 from .attention.step import kernel_runs_on, plain_module
-from .convolution import MAX_KERNEL_SIZE
+from .convolution import step_ring
 
 ENV = "INKLING2_FUSED_RESIDUAL_MIX"
 
@@ -78,20 +77,14 @@ def fused_residual_mix(
 
 def convolution_ring(convolution: nn.Module, output: torch.Tensor, cache, query_positions) -> tuple | None:
     """(ring, the step's `StepSlots`, weight [H, k] fp32, divisor) where the kernel may convolve `output` over the
-    static cache's ring itself (as `convolution.fused_step_convolution` would), else None."""
-    if not isinstance(cache, Inkling2StaticCache) or convolution.kernel_size > MAX_KERNEL_SIZE:
+    static cache's ring itself (`convolution.step_ring`, for the module as this package defines it), else None."""
+    if not plain_module(convolution, Inkling2ShortConvolution):
         return None
-    if not plain_module(convolution, Inkling2ShortConvolution) or differentiable(convolution.conv1d.weight):
-        return None
-    batch, _, channels = output.shape
-    shape_only = output.new_empty(batch, channels, 0, dtype=torch.float32)  # the ring's shape, dtype and device
-    ring_and_step = cache.step_convolution_ring(
-        convolution.layer_idx, convolution.conv_idx, shape_only, convolution.kernel_size, query_positions
-    )
+    weight = local_tensor(convolution.conv1d.weight).float()  # [H, 1, k], this rank's channels under TP
+    ring_and_step = step_ring(output, cache, convolution.layer_idx, convolution.conv_idx, query_positions, weight)
     if ring_and_step is None:
         return None
-    weight = local_tensor(convolution.conv1d.weight).float().squeeze(1)
-    return *ring_and_step, weight, math.sqrt(convolution.kernel_size + 1)
+    return *ring_and_step, weight.squeeze(1), math.sqrt(convolution.kernel_size + 1)
 
 
 def fused_residual_mix_after_sublayer(
@@ -142,11 +135,9 @@ def fused_residual_step_convolution(
     cache's ring with the sum in its epilogue (`convolution_kernel.step_convolution`'s residual), where the fused
     mixes are on, the step reads its context from the ring and the MoE's output comes in `dtype` (the kernel's output
     dtype is its input's); None where the reference runs. partial [batch, T, H] fp32, output [batch, T, H]."""
-    if not enabled() or not kernel_runs_on(output) or output.shape[1] > MAX_STEP_TOKENS or output.dtype != dtype:
+    if not enabled() or not kernel_runs_on(output) or output.dtype != dtype or differentiable(partial):
         return None
-    if differentiable(output, partial):
-        return None
-    ring = convolution_ring(convolution, output, cache, query_positions)
+    ring = convolution_ring(convolution, output, cache, query_positions)  # the step's length and gradients too
     if ring is None:
         return None
     ring_buffer, step, weight, divisor = ring

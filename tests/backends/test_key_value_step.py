@@ -221,30 +221,38 @@ def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch,
     """On by default where the kernel runs (here: under the interpreter); `=0` keeps the reference, and so does a CPU
     call without the interpreter."""
     set_environment(monkeypatch, {key_value_step.ENV: switch, "TRITON_INTERPRET": interpreter})
-    config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
     states = torch.zeros(1, 1, 32)
-    cache = Inkling2StaticCache(config, max_cache_len=16)
-    assert key_value_step.runs_fused(sliding_attention(config, 0, "cpu"), states, states, cache) == fused
+    attention = sliding_attention(Inkling2TextConfig(**ORACLE_TEXT_CONFIG), 0, "cpu")
+    assert key_value_step.runs_fused(attention, states) == fused
 
 
+@needs_triton
 def test_only_sliding_layers_over_the_static_cache_take_it(monkeypatch):
-    """Switched on under the interpreter: a full layer, the dynamic cache, a chunk longer than a step and a step longer
-    than the cache's ring takes keep the reference."""
+    """Switched on under the interpreter, the kernel stubbed: a sliding layer's step over the static cache takes it; a
+    full layer, the dynamic cache, a chunk longer than a step and a step longer than the cache's ring takes keep the
+    reference (None)."""
     monkeypatch.setenv(key_value_step.ENV, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
     full_layer = next(i for i, kind in enumerate(config.layer_types) if kind != SLIDING_LAYER)
     full = Inkling2Attention(config, layer_idx=full_layer)
     sliding = sliding_attention(config, 0, "cpu")
-    states, longer = torch.zeros(1, 1, 32), torch.zeros(1, 17, 32)
+
+    def takes(attention, cache, tokens=1) -> bool:
+        states = torch.randn(1, tokens, 32)
+        with mock.patch("transformers_inkling2.backends.key_value_kernel.key_value_step") as kernel:
+            result = key_value_step.fused_key_value_step(
+                attention, states, states, states, states, None, cache, torch.arange(tokens), None
+            )
+        assert (result is not None) == kernel.called
+        return kernel.called
+
     static = Inkling2StaticCache(config, max_cache_len=64)
-    assert key_value_step.runs_fused(sliding, states, states, static)
-    assert not key_value_step.runs_fused(full, states, states, static)
-    assert not key_value_step.runs_fused(sliding, states, states, Inkling2Cache(config))
-    assert not key_value_step.runs_fused(sliding, longer, longer, static)
-    narrow = Inkling2StaticCache(config, max_cache_len=64, max_queries=2)  # the ring holds steps of 2 queries
-    cache_like = torch.zeros(1, 2, 3, 16)  # [batch, kv heads, T, head_dim]
-    assert narrow.step_key_value_ring(0, cache_like, cache_like, torch.arange(3)) is None
+    assert takes(sliding, static)
+    assert not takes(full, static)
+    assert not takes(sliding, Inkling2Cache(config))
+    assert not takes(sliding, static, tokens=17)
+    assert not takes(sliding, Inkling2StaticCache(config, max_cache_len=64, max_queries=2), tokens=3)
 
 
 # --- GPU: full size, bf16 and fp32 ---------------------------------------------------------------------------------

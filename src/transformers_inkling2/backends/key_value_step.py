@@ -24,12 +24,11 @@ import os
 import torch
 from torch import nn
 
-from ..cache.common import K_CONV, MAX_STEP_TOKENS, V_CONV
-from ..cache.static import Inkling2StaticCache
+from ..cache.common import K_CONV, V_CONV
 from ..modeling.modeling_inkling2_text import Inkling2ShortConvolution
-from ..modeling.tensors import differentiable, local_tensor
+from ..modeling.tensors import local_tensor
 from .attention.step import kernel_runs_on, plain_module
-from .convolution import MAX_KERNEL_SIZE
+from .convolution import step_ring
 
 ENV = "INKLING2_FUSED_KEY_VALUE_STEP"
 
@@ -39,21 +38,16 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def runs_fused(attention: nn.Module, key_states: torch.Tensor, value_states: torch.Tensor, cache) -> bool:
-    """Whether `fused_key_value_step` may take this step (see the module docstring); key_states / value_states
-    [batch, T, kv_heads * head_dim]."""
-    if not enabled() or not attention.is_sliding or not isinstance(cache, Inkling2StaticCache):
-        return False
-    if not kernel_runs_on(key_states) or key_states.shape[1] > MAX_STEP_TOKENS:
+def runs_fused(attention: nn.Module, key_states: torch.Tensor) -> bool:
+    """Whether `fused_key_value_step` may take this step, as far as the layer tells (see the module docstring; the
+    cache, the step's length and gradients are `convolution.step_ring`'s to check); key_states [batch, T, C]."""
+    if not enabled() or not attention.is_sliding or not kernel_runs_on(key_states):
         return False
     convolutions = (attention.k_sconv, attention.v_sconv)
     if not all(plain_module(convolution, Inkling2ShortConvolution) for convolution in convolutions):
         return False
     head_dim = attention.head_dim  # a power of two: the kernel's tl.arange over a head's channels
-    if attention.k_sconv.kernel_size > MAX_KERNEL_SIZE or head_dim & (head_dim - 1):
-        return False
-    weights = [convolution.conv1d.weight for convolution in convolutions]
-    return not differentiable(key_states, value_states, *weights)
+    return not head_dim & (head_dim - 1)
 
 
 def fused_key_value_step(
@@ -70,26 +64,25 @@ def fused_key_value_step(
     """`Inkling2Attention.attended_keys`' result (same arguments) for a step that takes the kernel, its keys and
     values written into the cache; None where the reference runs (see the module docstring), and where the cache
     does not hold the step's rings (`step_convolution_ring`, `step_key_value_ring`: e.g. a longer chunk)."""
-    if not runs_fused(attention, key_states, value_states, cache):
+    if not runs_fused(attention, key_states):
         return None
     batch, length, width = key_states.shape
-    layer_idx, kernel_size, head_dim = attention.layer_idx, attention.k_sconv.kernel_size, attention.head_dim
-    shape_only = key_states.new_empty(batch, width, 0, dtype=torch.float32)  # the convolution rings' shape
+    layer_idx, head_dim = attention.layer_idx, attention.head_dim
+    # this rank's channels under tensor parallelism, [C, 1, k]
+    key_weight, value_weight = (local_tensor(conv.conv1d.weight) for conv in (attention.k_sconv, attention.v_sconv))
     rings = [
-        cache.step_convolution_ring(layer_idx, conv_idx, shape_only, kernel_size, query_positions)
-        for conv_idx in (K_CONV, V_CONV)
+        step_ring(states, cache, layer_idx, conv_idx, query_positions, weight)
+        for states, conv_idx, weight in ((key_states, K_CONV, key_weight), (value_states, V_CONV, value_weight))
     ]
+    if rings[0] is None or rings[1] is None:
+        return None
     # the attention ring's shape, in the dtype the reference caches keys in (the layer inputs')
     cache_like = key_states.new_empty(batch, width // head_dim, length, head_dim, dtype=key_input.dtype)
     attention_ring = cache.step_key_value_ring(layer_idx, cache_like, cache_like, query_positions)
-    if rings[0] is None or rings[1] is None or attention_ring is None:
+    if attention_ring is None:
         return None
     (key_ring, step), (value_ring, _) = rings
     keys, values, key_valid, slot_positions, slots = attention_ring
-    key_weight, value_weight = (
-        local_tensor(convolution.conv1d.weight).float().squeeze(1)  # this rank's channels under tensor parallelism
-        for convolution in (attention.k_sconv, attention.v_sconv)
-    )
     from .key_value_kernel import key_value_step  # Triton, imported where the kernel runs
 
     key_value_step(
@@ -101,9 +94,9 @@ def fused_key_value_step(
         step.history_slots,
         step.history_held,
         step.conv_write,
-        key_weight,
-        value_weight,
-        math.sqrt(kernel_size + 1),
+        key_weight.float().squeeze(1),
+        value_weight.float().squeeze(1),
+        math.sqrt(attention.k_sconv.kernel_size + 1),
         attention.config.qk_l2_clip_threshold,
         attention.config.rms_norm_eps,
         keys,

@@ -279,8 +279,9 @@ def step_convolution_calls() -> None:
 
 
 def key_value_step_calls() -> None:
-    """A sliding layer's step keys and values computed and cached (`key_value_kernel.key_value_step`, as
-    `fused_key_value_step` calls it): one token with and without a padding mask, a DSpark verification step of 8."""
+    """A layer's step keys and values computed and cached (`key_value_kernel.key_value_step`, as
+    `fused_key_value_step` calls it): one token with and without a padding mask, a DSpark verification step of 8; a
+    sliding layer's (fp32 weights) and a full one's (bf16 static weights by lag, and per-token taps)."""
     from transformers_inkling2.backends.key_value_kernel import key_value_step
 
     kernel_size, kv_heads, head_dim = MODEL.conv_kernel_size, MODEL.swa_num_key_value_heads, MODEL.swa_head_dim
@@ -289,12 +290,16 @@ def key_value_step_calls() -> None:
         states = torch.empty(1, tokens, width, dtype=torch.bfloat16)
         rings = [torch.empty(1, width, history + MAX_STEP_TOKENS) for _ in range(2)]
         step = (torch.empty(history, dtype=torch.int64), torch.empty(history, dtype=torch.bool))
-        weights = [torch.empty(width, kernel_size) for _ in range(2)]
         cached = [torch.empty(1, kv_heads, slots, head_dim, dtype=torch.bfloat16) for _ in range(2)]
         ring_slots = torch.empty(tokens, dtype=torch.int64)
-        key_value_step(states, states, mask, *rings, *step, ring_slots, *weights, math.sqrt(kernel_size + 1),
-                       MODEL.qk_l2_clip_threshold, MODEL.rms_norm_eps, *cached, torch.empty(1, slots, dtype=torch.bool),
-                       torch.empty(slots, dtype=torch.int64), ring_slots, ring_slots)  # fmt: skip
+        full_layer = dict(key_taps=torch.empty(1, tokens, kv_heads * kernel_size, dtype=torch.bfloat16))
+        full_layer["value_taps"] = full_layer["key_taps"]
+        for weight_dtype, taps in ((torch.float32, {}), (torch.bfloat16, full_layer)):
+            weights = [torch.empty(kernel_size, width, dtype=weight_dtype).T for _ in range(2)]
+            key_value_step(states, states, mask, *rings, *step, ring_slots, *weights, math.sqrt(kernel_size + 1),
+                           MODEL.qk_l2_clip_threshold, MODEL.rms_norm_eps, *cached,
+                           torch.empty(1, slots, dtype=torch.bool), torch.empty(slots, dtype=torch.int64), ring_slots,
+                           ring_slots, **taps)  # fmt: skip
 
 
 def residual_mix_calls() -> None:

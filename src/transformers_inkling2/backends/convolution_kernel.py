@@ -104,22 +104,33 @@ def _step_context(i, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows,
 
 
 @triton.jit
+def _tap(taps, stride_wk, token_taps, stride_tk, tap, chan_ok, token_ok, HAS_TOKEN_TAPS: tl.constexpr):
+    """Weight `tap` of the tile: the channels' static weight in fp32 [1, BLOCK_C], plus with HAS_TOKEN_TAPS each
+    token's own [BLOCK_T, 1] (a full layer's dynamic convolution, the sum in fp32 as the reference's)."""
+    weight = tl.load(taps + tap * stride_wk, mask=chan_ok, other=0.0).to(tl.float32)
+    if HAS_TOKEN_TAPS:
+        weight = weight + tl.load(token_taps + tap * stride_tk, mask=token_ok[:, None], other=0.0).to(tl.float32)
+    return weight
+
+
+@triton.jit
 def _step_sum(x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs, taps, stride_wk, history_slots_ptr,
               history_held_ptr, write_slots_ptr, chan_ok, divisor, TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr,
-              HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
+              HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, token_taps=None, stride_tk=0,
+              HAS_TOKEN_TAPS: tl.constexpr = False):
     """A step's convolution over a tile's channels (x_rows, ring_rows, taps: [1, BLOCK_C] pointers to the batch
-    row's channels and their weights): (out [BLOCK_T, BLOCK_C] = (sum_j context[t + j] weight[j] + x[t]) / divisor
-    in fp32, the step's masked inputs that go into the ring, their ring slots). Loads only: the caller stores, after
-    releasing its successor."""
+    row's channels and their weights; token_taps: [BLOCK_T, 1] pointers to each token's weight 0, `_tap`): (out
+    [BLOCK_T, BLOCK_C] = (sum_j context[t + j] weight[j] + x[t]) / divisor in fp32, the step's masked inputs that go
+    into the ring, their ring slots). Loads only: the caller stores, after releasing its successor."""
     tokens = tl.arange(0, BLOCK_T)
     token_ok = tokens < TOKENS
     rows = _step_context(tokens, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
                          history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
-    acc = rows * tl.load(taps, mask=chan_ok, other=0.0)
+    acc = rows * _tap(taps, stride_wk, token_taps, stride_tk, 0, chan_ok, token_ok, HAS_TOKEN_TAPS)
     for tap in tl.static_range(1, KERNEL_SIZE):
         rows = _step_context(tokens + tap, chan_ok, x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs,
                              history_slots_ptr, history_held_ptr, KERNEL_SIZE - 1, TOKENS, HAS_MASK)
-        acc = acc + rows * tl.load(taps + tap * stride_wk, mask=chan_ok, other=0.0)
+        acc = acc + rows * _tap(taps, stride_wk, token_taps, stride_tk, tap, chan_ok, token_ok, HAS_TOKEN_TAPS)
     # the last tap's rows (offset k - 1 = the history's length) are the step's own masked inputs: the ring's new ones
     x = tl.load(x_rows + tokens[:, None] * stride_xt, mask=token_ok[:, None] & chan_ok, other=0.0)
     write = tl.load(write_slots_ptr + tokens, mask=token_ok, other=0)

@@ -127,20 +127,9 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         valid = None if token_mask is None else token_mask.bool()
         past, attend_length = self.count(new_tokens, attend_length)
 
-        if not self.is_sliding:  # slot = position: the first `attend_length` slots, in order
+        if not self.is_sliding or new_tokens <= self.max_queries:  # write, then attend over what holds them
             self.write(query_positions, keys, values, valid, slots)
-            length = attend_length
-            return (
-                self.keys[:, :, :length],
-                self.values[:, :, :length],
-                self.all_positions[:length],
-                self.key_valid[:, :length],
-                True,
-                None,
-            )
-        if new_tokens <= self.max_queries:  # write, then attend over the whole ring
-            self.write(query_positions, keys, values, valid, slots)
-            return self.whole_ring()
+            return self.written(attend_length)
         # a long chunk (prefill): the keys the window still reaches in position order, then the new ones
         held = min(past, self.history)
         positions = torch.arange(past - held, past, device=keys.device)
@@ -168,9 +157,14 @@ class Inkling2StaticLayerCache(CacheLayerMixin):
         self.seen_tokens += new_tokens
         return past, past + new_tokens
 
-    def whole_ring(self) -> tuple:
-        """What a sliding layer's step attends to once its keys are written: every slot of the ring, with the
-        positions the slots hold and their validity (`attention_keys`' tuple)."""
+    def written(self, attend_length: int) -> tuple:
+        """What a step attends to once its keys are written (`attention_keys`' tuple): in a full layer (slot =
+        position) the first `attend_length` slots, in order; in a sliding layer every slot of the ring, with the
+        positions the slots hold and their validity."""
+        if not self.is_sliding:
+            length = attend_length
+            return (self.keys[:, :, :length], self.values[:, :, :length], self.all_positions[:length],
+                    self.key_valid[:, :length], True, None)  # fmt: skip
         return self.keys, self.values, self.slot_positions, self.key_valid, False, None
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -329,14 +323,15 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         return self.layers[layer_idx].convolution_ring(conv_idx, new_inputs), step
 
     def step_key_value_ring(self, layer_idx, keys_like, values_like, query_positions) -> tuple | None:
-        """Where a kernel that computes a sliding layer's step keys and values writes them itself, instead of passing
-        them to `attention_keys`: (keys, values, key_valid, slot_positions, the step's slots) of the layer's ring,
-        for a step of at most `max_queries` tokens of a sliding layer; else None. keys_like / values_like
-        [batch, kv_heads, T, head_dim] give the buffers' shapes, dtype and device at their first use. The kernel
-        writes the slots' positions and validity too; `attend_written_ring` then returns what the step attends to."""
+        """Where a kernel that computes a layer's step keys and values writes them itself, instead of passing them to
+        `attention_keys`: (keys, values, key_valid, slot_positions, the step's slots) of the layer's buffers (a
+        sliding layer's ring; a full layer's, where slot = position), for a step of at most `max_queries` tokens;
+        else None. keys_like / values_like [batch, kv_heads, T, head_dim] give the buffers' shapes, dtype and device
+        at their first use. The kernel writes the slots' positions and validity too; `attend_written` then returns
+        what the step attends to."""
         layer = self.layers[layer_idx]
         self.check_rows(keys_like.shape[0])
-        if not layer.is_sliding or keys_like.shape[2] > layer.max_queries:
+        if keys_like.shape[2] > layer.max_queries:
             return None
         if not layer.is_initialized:
             layer.lazy_initialization(keys_like, values_like)
@@ -344,12 +339,11 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         slots = ring_slots(query_positions, layer.capacity) if step is None else step.slots(layer.capacity)
         return layer.keys, layer.values, layer.key_valid, layer.slot_positions, slots
 
-    def attend_written_ring(self, layer_idx: int, new_tokens: int) -> tuple:
+    def attend_written(self, layer_idx: int, new_tokens: int) -> tuple:
         """`attention_keys`' result for a step whose keys and values a kernel wrote (`step_key_value_ring`): the
-        host-side count updated as there, the whole ring attended."""
+        host-side count updated (and the full layers' room checked) as there."""
         layer = self.layers[layer_idx]
-        layer.count(new_tokens, self.attend_length)
-        return layer.whole_ring()
+        return layer.written(layer.count(new_tokens, self.attend_length)[1])
 
     def advance(self, new_tokens: int) -> None:
         """Counts tokens that a replayed graph wrote (its Python bookkeeping does not run)."""

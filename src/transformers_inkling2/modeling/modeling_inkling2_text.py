@@ -180,6 +180,13 @@ class Inkling2DynamicShortConvolution(nn.Module):
 # --- attention ----------------------------------------------------------------------------------------------------
 
 
+def log_scaling(position_ids: torch.Tensor, config: Inkling2TextConfig) -> torch.Tensor:
+    """The full layers' scale of their queries and relative states, `tau = 1 + alpha * log(max(1, (pos + 1) /
+    n_floor))`, [batch or 1, T, 1, 1], fp32."""
+    ratio = (position_ids.float() + 1) / config.log_scaling_n_floor
+    return (1 + config.log_scaling_alpha * torch.log(ratio.clamp(min=1.0)))[..., None, None]
+
+
 class Inkling2Attention(nn.Module):
     """Gated attention with relative bias and a per-token sink.
 
@@ -224,24 +231,20 @@ class Inkling2Attention(nn.Module):
         self.q_l2_clip = Inkling2ScaledL2Clip(self.num_heads, self.head_dim, config.qk_l2_clip_threshold)
         self.rel_l2_clip = Inkling2ScaledL2Clip(self.num_heads, config.d_rel, config.rel_l2_clip_threshold)
 
-    def log_scale(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """`tau = 1 + alpha * log(max(1, (pos + 1) / n_floor))`, [batch or 1, T, 1, 1], fp32."""
-        ratio = (position_ids.float() + 1) / self.config.log_scaling_n_floor
-        return (1 + self.config.log_scaling_alpha * torch.log(ratio.clamp(min=1.0)))[..., None, None]
-
     def forward(
         self,
         query_input: torch.Tensor,
         key_input: torch.Tensor,
         value_input: torch.Tensor,
-        position_ids: torch.Tensor,
+        log_scale: torch.Tensor | None,
         query_positions: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Inkling2Cache | None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output, attention probabilities or None). With `output_attentions` this call runs the eager reference, the
-        one backend that materializes the probabilities (transformers' `capture_outputs` records them from here)."""
+        """(output, attention probabilities or None). `log_scale`: the full layers' (`log_scaling`), which sliding
+        layers ignore. With `output_attentions` this call runs the eager reference, the one backend that materializes
+        the probabilities (transformers' `capture_outputs` records them from here)."""
         batch, length, _ = query_input.shape
         dtype = query_input.dtype
         token_mask = None if attention_mask is None else attention_mask[:, -length:]
@@ -274,7 +277,7 @@ class Inkling2Attention(nn.Module):
             backend = get_attention_backend(self.config._attn_implementation, keys_in_order=in_order)
         else:
             backend = functools.partial(eager_attention, probabilities_out=probabilities)
-        tau = None if self.is_sliding else self.log_scale(position_ids)
+        tau = None if self.is_sliding else log_scale
         args = (backend, query_states, relative_states, gate, tau, keys, values)
         # a decode step that the backend hands to the fused decode kernel may take the query side into that kernel
         fused = KERNELS.optional("attention_step")
@@ -455,12 +458,12 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         )
 
     def forward(
-        self, partial, blocks, position_ids, query_positions, attention_mask=None, cache=None, output_attentions=False
+        self, partial, blocks, log_scale, query_positions, attention_mask=None, cache=None, output_attentions=False
     ):
         dtype = partial.dtype
         (query_input, key_input, value_input), partial = self.attention_inputs(blocks, partial, dtype)
         attention_output, _ = self.self_attn(
-            query_input, key_input, value_input, position_ids, query_positions, attention_mask, cache, output_attentions
+            query_input, key_input, value_input, log_scale, query_positions, attention_mask, cache, output_attentions
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
         continued = partial
@@ -767,11 +770,14 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         output_attentions = bool(self.config.output_attentions if output_attentions is None else output_attentions)
         partial = inputs_embeds
         blocks = inputs_embeds.new_zeros((batch, length, 0, inputs_embeds.shape[-1]), dtype=torch.float32)
+        # the full layers' scale depends on the positions only: computed once for all of them
+        full_layers = any(kind != SLIDING_LAYER for kind in self.config.layer_types)
+        log_scale = log_scaling(position_ids, self.config) if full_layers else None
         for layer in self.layers:
             partial, blocks = layer(
                 partial,
                 blocks,
-                position_ids=position_ids,
+                log_scale=log_scale,
                 query_positions=query_positions,
                 attention_mask=attention_mask,
                 cache=past_key_values,

@@ -318,8 +318,9 @@ def residual_mix_calls() -> None:
         return torch.empty(1, tokens, hidden), torch.empty(1, tokens, blocks, hidden)
 
     for tokens, blocks, queries in ((1, 1, 1), (1, most_blocks, 1), (1, most_blocks, 3), (8, most_blocks, 3)):
-        residual_mix(*stream(tokens, blocks), torch.empty(queries, hidden), norms[:queries], MODEL.rms_norm_eps,
-                     torch.bfloat16)  # fmt: skip
+        for opens_block in (False, True):  # a layer that opens a block also stores the stack
+            residual_mix(*stream(tokens, blocks), torch.empty(queries, hidden), norms[:queries], MODEL.rms_norm_eps,
+                         torch.bfloat16, opens_block)  # fmt: skip
     history = kernel_size - 1
     for tokens, mask, continued, convolved in ((1, False, True, True), (1, True, True, True), (1, False, False, True),
                                                (8, True, True, True), (1, False, True, False)):  # fmt: skip

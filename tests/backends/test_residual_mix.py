@@ -117,22 +117,25 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
                      for cache in caches]  # fmt: skip
             no_cache = [function(layer.mlp_inputs, output, continued, blocks, mask, None, positions, dtype)
                         for function in (reference, fused)]  # fmt: skip
-            attention = []
+            attention, handed_blocks = [], []
             for entries in (1, 3, 9):
                 partial, blocks = random_stream(2, length, entries, width, dtype, device, generator)
-                pair = [function(layer.attention_inputs, blocks, partial, dtype)[0]
-                        for function in (reference, fused)]  # fmt: skip
-                attention.append(max(relative_error(g, e) for g, e in zip(pair[1], pair[0], strict=True)))
+                pair = [function(layer.attention_inputs, blocks, partial, dtype) for function in (reference, fused)]
+                attention.append(max(relative_error(g, e) for g, e in zip(pair[1][0], pair[0][0], strict=True)))
+                # the completed blocks the layer goes on with (layer 6 opens a block: the partial one joins them)
+                opened = pair[1][2].shape == (2, length, entries + 1, width)
+                handed_blocks.append(relative_error(pair[1][2], pair[0][2]) if opened == layer.opens_block else 1.0)
             results.append(dict(
                 layer=index,
                 tokens=length,
                 attention=attention,
+                blocks=handed_blocks,
                 partial=relative_error(got[0], expected[0]),
                 mlp_input=relative_error(got[1], expected[1]),
                 rings=all(torch.equal(*rings[i : i + 2]) and bool(rings[i].abs().sum() > 0) for i in (0, 2)),
                 layer_output=relative_error(ends[1], ends[0]),
                 without_cache=[relative_error(no_cache[1][i], no_cache[0][i]) for i in (0, 1)],
-                dtypes=[str(got[0].dtype), str(got[1].dtype), str(pair[1][0].dtype), str(ends[1].dtype)],
+                dtypes=[str(got[0].dtype), str(got[1].dtype), str(pair[1][0][0].dtype), str(ends[1].dtype)],
             ))  # fmt: skip
     return results
 
@@ -159,8 +162,8 @@ def assert_layers_agree(results: list[dict], bound: float, dtype: str) -> None:
     for result in results:
         assert result["rings"], result
         assert result["dtypes"] == ["torch.float32", dtype, dtype, dtype], result
-        errors = [*result["attention"], result["partial"], result["mlp_input"], *result["without_cache"],
-                  result["layer_output"]]  # fmt: skip
+        errors = [*result["attention"], *result["blocks"], result["partial"], result["mlp_input"],
+                  *result["without_cache"], result["layer_output"]]  # fmt: skip
         assert max(errors) <= bound, result
 
 
@@ -288,7 +291,7 @@ def dispatched_operations() -> dict:
         for setting, function in (("reference", reference), ("fused", fused)):  # the reference makes the ring
             cache.begin_step(positions)
             with DispatchedOperations() as attention:  # the layer's bf16 input: the reference converts it here
-                _, continued = function(layer.attention_inputs, blocks, partial, torch.bfloat16)
+                _, continued, _ = function(layer.attention_inputs, blocks, partial, torch.bfloat16)
             continued = None if layer.opens_block else continued
             with DispatchedOperations() as mlp:
                 function(layer.mlp_inputs, output, continued, blocks, None, cache, positions, torch.bfloat16)

@@ -64,15 +64,22 @@ def kernel_arguments(mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.T
 
 
 def fused_residual_mix(
-    mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.Tensor, partial: torch.Tensor, dtype: torch.dtype
-) -> list[torch.Tensor] | None:
-    """`[norm(x).to(dtype) for norm, x in zip(norms, mix(blocks, partial))]` in one launch, for a call the kernel
-    takes; None where the reference runs. blocks [batch, T, n, H] fp32, partial [batch, T, H]."""
+    mix: nn.Module,
+    norms: Sequence[nn.Module],
+    blocks: torch.Tensor,
+    partial: torch.Tensor,
+    dtype: torch.dtype,
+    opens_block: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """(`[norm(x).to(dtype) for norm, x in zip(norms, mix(blocks, partial))]`, the completed blocks as the layer
+    goes on with them: `with_block(blocks, partial)` where it `opens_block`, else `blocks`) in one launch, for a call
+    the kernel takes; None where the reference runs. blocks [batch, T, n, H] fp32, partial [batch, T, H]."""
     if not runs_fused(mix, norms, blocks, partial):
         return None
     from .residual_mix_kernel import residual_mix  # Triton, imported where the kernel runs
 
-    return list(residual_mix(partial, *kernel_arguments(mix, norms, blocks, dtype)).unbind(0))
+    normalized, stack = residual_mix(partial, *kernel_arguments(mix, norms, blocks, dtype), opens_block)
+    return list(normalized.unbind(0)), stack if opens_block else blocks
 
 
 def convolution_ring(convolution: nn.Module, output: torch.Tensor, cache, query_positions) -> tuple | None:

@@ -10,7 +10,8 @@ one-token step of one query: 4,096 channels at a time) three times:
    product with it and with each completed block;
 2. the softmax over the blocks (the partial's logit scaled by its RMS norm), then the sum of squares of each query's
    mix;
-3. each mix again, RMS-normalized, times its norm's weight, rounded to the output dtype and stored.
+3. each mix again, RMS-normalized, times its norm's weight, rounded to the output dtype and stored; in a layer that
+   opens a block, the stack it mixed too (the completed blocks, then the normalized partial block: `with_block`).
 The arithmetic is the reference's (`Inkling2BlockAttentionResidual`, `Inkling2RMSNorm`) in fp32, with correctly
 rounded means, square roots and divisions, FMA contraction off; two sums run in another order: a dot product with the
 normalized partial is taken as its dot product with the partial times its norm's scale, and the chunks add up in
@@ -52,19 +53,28 @@ def _entry_weights(weights, ns, n):
 
 @triton.jit
 def _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, weights, blocks_rows, stride_bn,
-                 stride_bc, ns, NUM_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr):
+                 stride_bc, ns, stack_rows, store_ok, NUM_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr,
+                 STORE_STACK: tl.constexpr):
     """(channels [BLOCK_C], their mask [BLOCK_R, BLOCK_C], each row's mix over them [BLOCK_R, BLOCK_C]):
     sum_n weights[:, n] entry_n, the partial block (read at `stream_rows`, times its RMS scale) last, the products
-    added in the stack's order."""
+    added in the stack's order. STORE_STACK: the stack's entries, as read, also go to `stack_rows` (contiguous
+    [NUM_BLOCKS + 1, H] per row; the rows of `store_ok` only)."""
     chans = start + tl.arange(0, BLOCK_C)
     ok = row_ok[:, None] & (chans < hidden)[None, :]
     partial = tl.load(stream_rows + chans[None, :] * stride_sc, mask=ok, other=0.0).to(tl.float32)
-    mixed = _entry_weights(weights, ns, NUM_BLOCKS) * (partial * block_scale[:, None])
+    normalized = partial * block_scale[:, None]
+    if STORE_STACK:
+        tl.store(stack_rows + NUM_BLOCKS * hidden + chans[None, :], normalized, mask=ok & store_ok[:, None])
+    mixed = _entry_weights(weights, ns, NUM_BLOCKS) * normalized
     if NUM_BLOCKS > 0:
-        mixed_blocks = _entry_weights(weights, ns, 0) * tl.load(blocks_rows + chans[None, :] * stride_bc, mask=ok,
-                                                                 other=0.0)
+        block = tl.load(blocks_rows + chans[None, :] * stride_bc, mask=ok, other=0.0)
+        if STORE_STACK:
+            tl.store(stack_rows + chans[None, :], block, mask=ok & store_ok[:, None])
+        mixed_blocks = _entry_weights(weights, ns, 0) * block
         for n in tl.static_range(1, NUM_BLOCKS):
             block = tl.load(blocks_rows + n * stride_bn + chans[None, :] * stride_bc, mask=ok, other=0.0)
+            if STORE_STACK:
+                tl.store(stack_rows + n * hidden + chans[None, :], block, mask=ok & store_ok[:, None])
             mixed_blocks = mixed_blocks + _entry_weights(weights, ns, n) * block
         mixed = mixed_blocks + mixed
     return chans, ok, mixed
@@ -73,20 +83,23 @@ def _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, wei
 @triton.jit
 def _residual_mix_kernel(
     partial_ptr, addend_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr,
-    conv_weight_ptr, blocks_ptr, queries_ptr, norm0_ptr, norm1_ptr, norm2_ptr, out_ptr, new_partial_ptr, hidden,
+    conv_weight_ptr, blocks_ptr, queries_ptr, norm0_ptr, norm1_ptr, norm2_ptr, out_ptr, new_partial_ptr, stack_ptr,
+    hidden,
     divisor, logit_divisor, eps, stride_pb, stride_pt, stride_pc, stride_ab, stride_at, stride_ac, stride_mb,
     stride_mt, stride_rb, stride_rc, stride_rs, stride_wc, stride_wk, stride_bb, stride_bt, stride_bn, stride_bc,
     stride_qq, stride_qc, stride_oq, stride_ob, stride_ot, TOKENS: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     QUERIES: tl.constexpr, ADDEND: tl.constexpr, HAS_PARTIAL: tl.constexpr, KERNEL_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_C: tl.constexpr, STORE_STACK: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (batch, token blocks of BLOCK_T). out[q, b, t] = norm_q(sum_n softmax_n(stack[n] . query_q / logit_divisor)
     stack[n]) in out's dtype, stack = [blocks[b, t, 0..NUM_BLOCKS), rms_normalize(partial)]; partial = partial[b, t]
     (HAS_PARTIAL) plus the addend (ADDEND 1: addend[b, t] as given; 2: the step convolution of addend over the ring,
     rounded to its dtype), stored in new_partial[b, t] when there is an addend (then with one query; where it convolves,
     the step's tokens in one block: the convolution reads the earlier ones). norm_q(x) = norm_q_weight * x /
-    sqrt(mean(x^2) + eps). Row r of every tile is the block's token r // BLOCK_Q and query r % BLOCK_Q."""
+    sqrt(mean(x^2) + eps). STORE_STACK (a layer that opens a block): the stack itself goes to stack[b, t] [NUM_BLOCKS
+    + 1, H] fp32, the completed blocks with the normalized partial block after them (`with_block`). Row r of every
+    tile is the block's token r // BLOCK_Q and query r % BLOCK_Q."""
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_T * BLOCK_Q)
@@ -97,6 +110,7 @@ def _residual_mix_kernel(
     partial_rows = partial_ptr + b * stride_pb + tokens[:, None] * stride_pt
     new_partial_rows = new_partial_ptr + (b * TOKENS + tokens[:, None]) * hidden
     query_rows = queries_ptr + qs[:, None] * stride_qq
+    stack_rows = stack_ptr + (b * TOKENS + tokens[:, None]) * (NUM_BLOCKS + 1) * hidden
 
     # 1. the partial block (stored where it changes), its sum of squares, the queries' dot products with the stack
     square_sum = tl.zeros([BLOCK_T * BLOCK_Q], dtype=tl.float32)
@@ -149,7 +163,7 @@ def _residual_mix_kernel(
     mix_square_sum = tl.zeros([BLOCK_T * BLOCK_Q], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_C):
         _, _, mixed = _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, weights, blocks_rows,
-                                   stride_bn, stride_bc, ns, NUM_BLOCKS, BLOCK_C)
+                                   stride_bn, stride_bc, ns, stack_rows, qs == 0, NUM_BLOCKS, BLOCK_C, False)
         mix_square_sum += tl.sum(mixed * mixed, 1)
     norm_scale = tl.div_rn(tl.zeros_like(mix_square_sum) + 1.0,
                            tl.sqrt_rn(tl.div_rn(mix_square_sum, tl.zeros_like(mix_square_sum) + hidden) + eps))
@@ -158,7 +172,8 @@ def _residual_mix_kernel(
     destination_rows = out_ptr + qs[:, None] * stride_oq + b * stride_ob + tokens[:, None] * stride_ot
     for start in range(0, hidden, BLOCK_C):
         chans, ok, mixed = _chunk_mixes(start, hidden, row_ok, stream_rows, stride_sc, block_scale, weights,
-                                        blocks_rows, stride_bn, stride_bc, ns, NUM_BLOCKS, BLOCK_C)
+                                        blocks_rows, stride_bn, stride_bc, ns, stack_rows, qs == 0, NUM_BLOCKS,
+                                        BLOCK_C, STORE_STACK)
         norm_weight = tl.load(norm0_ptr + chans[None, :] + qs[:, None] * 0, mask=ok & (qs == 0)[:, None], other=0.0)
         if QUERIES > 1:
             norm_weight += tl.load(norm1_ptr + chans[None, :] + qs[:, None] * 0, mask=ok & (qs == 1)[:, None],
@@ -172,9 +187,9 @@ def _residual_mix_kernel(
 
 # fmt: on
 def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor, blocks, queries, norm_weights, eps,
-            dtype, mode):  # fmt: skip
+            dtype, mode, opens_block=False):  # fmt: skip
     """Checks the shapes, launches the kernel; returns (out [Q, batch, T, H] in dtype, new partial [batch, T, H]
-    fp32, written where there is an addend)."""
+    fp32, written where there is an addend, the stack [batch, T, n + 1, H] fp32, written where `opens_block`)."""
     like = addend if partial is None else partial
     batch, length, hidden = like.shape
     num_blocks = blocks.shape[2]
@@ -194,6 +209,7 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
         raise ValueError(f"A sublayer's output joins the partial block before one query's mix, got {count} queries.")
     out = like.new_empty((count, batch, length, hidden), dtype=dtype)
     new_partial = like.new_empty((batch, length, hidden) if addend is not None else (0,), dtype=torch.float32)
+    stack = like.new_empty((batch, length, num_blocks + 1, hidden) if opens_block else (0,), dtype=torch.float32)
     kernel_size, history_slots, history_held, write_slots = 1, None, None, None
     if mode == CONVOLVED_ADDEND:
         history_slots, history_held, write_slots = step_slots
@@ -225,32 +241,35 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
     _residual_mix_kernel[(batch, 1 if convolves else length)](
         partial_, addend_, mask, ring_, unused if history_slots is None else history_slots,
         unused if history_held is None else history_held, unused if write_slots is None else write_slots, weight_,
-        blocks, queries, *norms, out, new_partial, hidden, divisor, math.sqrt(hidden), eps, *partial_strides,
+        blocks, queries, *norms, out, new_partial, stack, hidden, divisor, math.sqrt(hidden), eps, *partial_strides,
         *addend_strides, *mask_strides, *ring_strides, *weight_strides, *blocks.stride(), *queries.stride(),
         *out.stride()[:3], TOKENS=length, NUM_BLOCKS=num_blocks, QUERIES=count, ADDEND=mode,
         HAS_PARTIAL=partial is not None, KERNEL_SIZE=kernel_size, HAS_MASK=token_mask is not None,
-        BLOCK_T=block_t, BLOCK_Q=block_q, BLOCK_N=triton.next_power_of_2(num_blocks + 1), BLOCK_C=block_c, PDL=pdl,
-        num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_Q=block_q, BLOCK_N=triton.next_power_of_2(num_blocks + 1), BLOCK_C=block_c,
+        STORE_STACK=opens_block, PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
     )  # fmt: skip
-    return out, new_partial
+    return out, new_partial, stack
 
 
 @torch.library.custom_op("inkling2::residual_mix", mutates_args=())
 def residual_mix(
     partial: torch.Tensor, blocks: torch.Tensor, queries: torch.Tensor, norm_weights: list[torch.Tensor], eps: float,
-    dtype: torch.dtype,
-) -> torch.Tensor:
+    dtype: torch.dtype, opens_block: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A sublayer's normalized inputs from the stream, in one launch: for each query q, `norm_q(mix_q(blocks,
     partial)).to(dtype)`. partial [batch, T, H] (any float dtype); blocks [batch, T, n, H] fp32 (the completed
-    blocks, RMS-normalized); queries [Q, H] (Q = 1 or 3), norm_weights Q tensors [H]. Returns [Q, batch, T, H]. A
+    blocks, RMS-normalized); queries [Q, H] (Q = 1 or 3), norm_weights Q tensors [H]. Returns ([Q, batch, T, H], the
+    stack `with_block(blocks, partial)` [batch, T, n + 1, H] fp32 where `opens_block`, else an empty tensor). A
     custom op: the compiled decode steps call it as it is."""  # fmt: skip
-    return _launch(partial, None, None, None, None, None, 1.0, blocks, queries, norm_weights, eps, dtype,
-                   NO_ADDEND)[0]  # fmt: skip
+    out, _, stack = _launch(partial, None, None, None, None, None, 1.0, blocks, queries, norm_weights, eps, dtype,
+                            NO_ADDEND, opens_block)  # fmt: skip
+    return out, stack
 
 
 @residual_mix.register_fake
-def _(partial, blocks, queries, norm_weights, eps, dtype):
-    return partial.new_empty((queries.shape[0], *partial.shape), dtype=dtype)
+def _(partial, blocks, queries, norm_weights, eps, dtype, opens_block=False):
+    stack_shape = (*blocks.shape[:2], blocks.shape[2] + 1, blocks.shape[3]) if opens_block else (0,)
+    return partial.new_empty((queries.shape[0], *partial.shape), dtype=dtype), blocks.new_empty(stack_shape)
 
 
 @torch.library.custom_op("inkling2::residual_mix_after_sublayer", mutates_args=("ring",))
@@ -279,7 +298,7 @@ def residual_mix_after_sublayer(
     convolved = ring is not None
     slots = (history_slots, history_held, write_slots) if convolved else None
     return _launch(partial, output, token_mask, ring, slots, conv_weight, divisor, blocks, queries, norm_weights, eps,
-                   dtype, CONVOLVED_ADDEND if convolved else GIVEN_ADDEND)  # fmt: skip
+                   dtype, CONVOLVED_ADDEND if convolved else GIVEN_ADDEND)[:2]  # fmt: skip
 
 
 @residual_mix_after_sublayer.register_fake

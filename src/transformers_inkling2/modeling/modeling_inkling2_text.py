@@ -461,14 +461,14 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         self, partial, blocks, log_scale, query_positions, attention_mask=None, cache=None, output_attentions=False
     ):
         dtype = partial.dtype
-        (query_input, key_input, value_input), partial = self.attention_inputs(blocks, partial, dtype)
+        (query_input, key_input, value_input), partial, blocks = self.attention_inputs(blocks, partial, dtype)
         attention_output, _ = self.self_attn(
             query_input, key_input, value_input, log_scale, query_positions, attention_mask, cache, output_attentions
         )
         token_mask = None if attention_mask is None else attention_mask[:, -partial.shape[1] :]
-        continued = partial
-        if self.opens_block:  # the partial block joins the completed ones, and restarts from the attention's output
-            blocks, continued = with_block(blocks, partial), None
+        # where the layer opens a block, the partial block has joined the completed ones: it restarts from the
+        # attention's output
+        continued = None if self.opens_block else partial
         partial, mlp_input = self.mlp_inputs(attention_output, continued, blocks, token_mask, cache, query_positions,
                                              dtype)  # fmt: skip
         mlp_output = self.mlp(mlp_input)
@@ -479,20 +479,25 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         return (self.input_layernorm,) if self.is_sliding else (
             self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)  # fmt: skip
 
-    def attention_inputs(self, blocks, partial, dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def attention_inputs(self, blocks, partial, dtype) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """(the attention's query, key and value inputs in `dtype`, one tensor for all three in a sliding layer: the
         stream's attention-residual mix, layer 0's embedding, RMS-normalized; the partial block as the rest of the
-        layer reads it). One launch where the `residual_mix` kernel takes the call (a decode step): it reads the
-        partial block in its own dtype, where the reference converts it to fp32 once for all its readers."""
+        layer reads it; the completed blocks as the rest of the layer reads them: where the layer opens a block,
+        with the partial block normalized after them). One launch where the `residual_mix` kernel takes the call (a
+        decode step): it reads the partial block in its own dtype, where the reference converts it to fp32 once for
+        all its readers, and writes the new blocks from what it reads for the mix."""
         norms = self.attention_norms()
         if self.attention_input is not None:
             fused = KERNELS.optional("residual_mix")
-            normalized = None if fused is None else fused(self.attention_input, norms, blocks, partial, dtype)
-            if normalized is not None:
-                return normalized * (3 // len(normalized)), partial
+            mixed = None if fused is None else fused(self.attention_input, norms, blocks, partial, dtype,
+                                                     self.opens_block)  # fmt: skip
+            if mixed is not None:
+                normalized, blocks = mixed
+                return normalized * (3 // len(normalized)), partial, blocks
         partial = shared_fp32(partial)  # the mix and the sums after it each read it in fp32
         inputs = (partial,) * len(norms) if self.attention_input is None else self.attention_input(blocks, partial)
-        return [norm(x).to(dtype) for norm, x in zip(norms, inputs, strict=True)] * (3 // len(norms)), partial
+        normalized = [norm(x).to(dtype) for norm, x in zip(norms, inputs, strict=True)] * (3 // len(norms))
+        return normalized, partial, with_block(blocks, partial) if self.opens_block else blocks
 
     def mlp_inputs(self, attention_output, partial, blocks, token_mask, cache, query_positions, dtype) -> tuple:
         """(the partial block fp32, the MoE's input in `dtype`): the attention's output through the post-attention
@@ -790,9 +795,9 @@ class Inkling2TextModel(Inkling2PreTrainedModel):
         """The last hidden states in `dtype`: the readout's attention-residual mix of the stream, RMS-normalized. One
         launch where the `residual_mix` kernel takes the call (a decode step)."""
         fused = KERNELS.optional("residual_mix")
-        normalized = None if fused is None else fused(self.final_input, (self.norm,), blocks, partial, dtype)
-        if normalized is not None:
-            return normalized[0]
+        mixed = None if fused is None else fused(self.final_input, (self.norm,), blocks, partial, dtype)
+        if mixed is not None:
+            return mixed[0][0]
         return self.norm(self.final_input(blocks, partial)[0]).to(dtype)
 
     def automatic_prefill_chunk(self, inputs_embeds, cache, **kwargs) -> int | None:

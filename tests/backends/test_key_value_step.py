@@ -263,7 +263,8 @@ def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch,
 def test_only_steps_over_the_static_cache_take_it(monkeypatch):
     """Switched on under the interpreter, the kernel stubbed: a sliding or full layer's step over the static cache
     takes it; the dynamic cache, a chunk longer than a step, a step longer than the cache's ring takes and gradients
-    through a full layer's per-token taps keep the reference (None)."""
+    through a full layer's per-token taps keep the reference (None); a full layer's step past the cache's length is
+    refused before the kernel runs."""
     monkeypatch.setenv(key_value_step.ENV, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
@@ -284,6 +285,15 @@ def test_only_steps_over_the_static_cache_take_it(monkeypatch):
     assert not takes(sliding, Inkling2Cache(config))
     assert not takes(sliding, static, tokens=17)
     assert not takes(sliding, Inkling2StaticCache(config, max_cache_len=64, max_queries=2), tokens=3)
+    # a full cache: the error comes before the kernel writes, as the reference's before `write`
+    filled = Inkling2StaticCache(config, max_cache_len=16)
+    filled.layers[full_layer].seen_tokens = 16
+    states, inputs = torch.randn(1, 1, 32), torch.randn(1, 1, config.hidden_size)
+    with mock.patch("transformers_inkling2.backends.key_value_kernel.key_value_step") as kernel:
+        with pytest.raises(ValueError, match="holds 16 tokens"):
+            key_value_step.fused_key_value_step(full, states, states, inputs, inputs, None, filled, torch.arange(1),
+                                                None)  # fmt: skip
+    assert not kernel.called
     full.v_sconv.weight_proj.weight.requires_grad_(True)
     assert not takes(full, Inkling2StaticCache(config, max_cache_len=64))
 

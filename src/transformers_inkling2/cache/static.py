@@ -333,6 +333,8 @@ class Inkling2StaticCache(RollbackWithinMargin, Cache):
         self.check_rows(keys_like.shape[0])
         if keys_like.shape[2] > layer.max_queries:
             return None
+        if self.attend_length is None:  # a full layer's room, checked before the kernel writes, as `attention_keys`
+            layer.check_room(keys_like.shape[2])
         if not layer.is_initialized:
             layer.lazy_initialization(keys_like, values_like)
         step = self.step if self.step_is_for(query_positions) else None

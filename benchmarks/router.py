@@ -1,10 +1,9 @@
 """A decode step's router on one GPU: the reference (fp32 cuBLAS GEMV, `torch.topk` and elementwise passes) against
-our two launches and our one launch (`backends/router_kernel.py`, `INKLING2_ROUTER_ONE_LAUNCH`).
+our two launches (`backends/router_kernel.py`).
 
 Inkling-2-Small's router (hidden 4,608, 384 experts, top-8) and a TP4/EP4-shaped one (96 experts, top-2), bf16
-inputs, fp32 weights, at 1, 8 and 16 rows. Each variant is captured 20 times in a CUDA graph of its own (the switch
-is read when the graph is captured) and replayed, as a decode step's graph replays it; time per call, and the
-weight's bytes over that time as % of the copy bandwidth.
+inputs, fp32 weights, at 1, 8 and 16 rows. Each variant is captured 20 times in one CUDA graph and replayed, as a
+decode step's graph replays it; time per call, and the weight's bytes over that time as % of the copy bandwidth.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -19,7 +18,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -28,7 +26,6 @@ from attention import DEVICE, environment, timing_table, write_report  # noqa: E
 from decode import copy_bandwidth_gb_s, graph_ms  # noqa: E402
 
 from transformers_inkling2 import Inkling2TextConfig  # noqa: E402
-from transformers_inkling2.backends.router_kernel import ONE_LAUNCH_ENV  # noqa: E402
 from transformers_inkling2.backends.routing import top_k_routing  # noqa: E402
 from transformers_inkling2.modeling.interfaces import KERNELS  # noqa: E402
 from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2TopKRouter  # noqa: E402
@@ -53,11 +50,8 @@ def compare(bandwidth: float) -> list[dict]:
             reference_ms = graph_ms(lambda: router(x), calls=CALLS_PER_GRAPH)
             KERNELS._entries["top_k_routing"] = entry
             assert top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, 1.0) is not None
-            timed = [("reference (cuBLAS + torch.topk)", reference_ms)]
-            for name, switch in (("ours, two launches", "0"), ("ours, one launch", "1")):
-                with mock.patch.dict(os.environ, {ONE_LAUNCH_ENV: switch}):
-                    timed.append((name, graph_ms(lambda: router(x), calls=CALLS_PER_GRAPH)))
-            for name, ms in timed:
+            ours_ms = graph_ms(lambda: router(x), calls=CALLS_PER_GRAPH)
+            for name, ms in (("reference (cuBLAS + torch.topk)", reference_ms), ("ours, two launches", ours_ms)):
                 results.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, share=read / ms / 1e6 / bandwidth))
                 print(results[-1], flush=True)
     return results

@@ -339,15 +339,13 @@ def residual_mix_calls() -> None:
 
 
 def router_calls() -> None:
-    """A decode step's router (`router_kernel.top_k_routing`), one and 16 rows, in two launches and in one."""
-    from transformers_inkling2.backends.router_kernel import ONE_LAUNCH_ENV, top_k_routing
+    """A decode step's router (`router_kernel.top_k_routing`), one and 16 rows."""
+    from transformers_inkling2.backends.router_kernel import top_k_routing
 
     experts, hidden = MODEL.n_routed_experts, MODEL.hidden_size
     for rows in (1, 16):
         x = torch.empty(rows, hidden, dtype=torch.bfloat16)
-        for switch in ("0", "1"):
-            with mock.patch.dict(os.environ, {ONE_LAUNCH_ENV: switch}):
-                top_k_routing(x, torch.empty(experts, hidden), torch.empty(experts), MODEL.num_experts_per_tok, 2.5)
+        top_k_routing(x, torch.empty(experts, hidden), torch.empty(experts), MODEL.num_experts_per_tok, 2.5)
 
 
 def projection_calls() -> None:
@@ -480,7 +478,6 @@ DECODE_STEP_KERNELS = {
     "projection_kernel._grouped_kernel",
     "router_kernel._partial_logits_kernel",
     "router_kernel._top_k_kernel",
-    "router_kernel._one_launch_kernel",
     "convolution_kernel._step_convolution_kernel",
     "key_value_kernel._key_value_step_kernel",
     "residual_mix_kernel._residual_mix_kernel",

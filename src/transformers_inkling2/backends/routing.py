@@ -1,10 +1,10 @@
-"""A decode step's router in two launches on CUDA (or one, `INKLING2_ROUTER_ONE_LAUNCH=1`).
+"""A decode step's router in two launches on CUDA.
 
 Registered as the model's `"top_k_routing"` kernel (`modeling.interfaces.KERNELS`). The reference
 (`Inkling2TopKRouter`) takes five kernels for a step: the fp32 GEMV, the sigmoid and bias, `torch.topk`, the gather
 and the normalization, each a launch that costs more than its work. For CUDA steps of at most `MAX_ROWS` tokens
-without gradients, `router_kernel` does the same in two, or in one (see there). Prompts keep the reference: there the
-GEMM is cuBLAS's business and the launches are amortized. A tensor-parallel plan replicates the router, so it takes the
+without gradients, `router_kernel` does the same in two (see there). Prompts keep the reference: there the GEMM is
+cuBLAS's business and the launches are amortized. A tensor-parallel plan replicates the router, so it takes the
 kernel too when its weight is an ordinary tensor; a DTensor keeps the reference.
 """
 

@@ -245,18 +245,17 @@ def test_compiled_decode_steps_take_both_fused_steps_whole():
 
 
 @pytest.mark.parametrize(
-    "switch, interpreter, sliding, full",
-    [(None, "1", True, False), ("1", "1", True, True), ("0", "1", False, False), (None, None, False, False)],
+    "switch, interpreter, fused", [(None, "1", True), ("1", "1", True), ("0", "1", False), (None, None, False)]
 )
-def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch, switch, interpreter, sliding, full):
-    """On by default in sliding layers where the kernel runs (here: under the interpreter), in full layers where
-    switched on; `=0` keeps the reference, and so does a CPU call without the interpreter."""
+def test_the_step_is_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch, switch, interpreter, fused):
+    """On by default in sliding and full layers where the kernel runs (here: under the interpreter); `=0` keeps the
+    reference, and so does a CPU call without the interpreter."""
     set_environment(monkeypatch, {key_value_step.ENV: switch, "TRITON_INTERPRET": interpreter})
     config = Inkling2TextConfig(**ORACLE_TEXT_CONFIG)
     full_layer = next(i for i, kind in enumerate(config.layer_types) if kind != SLIDING_LAYER)
     states = torch.zeros(1, 1, 32)
-    assert key_value_step.runs_fused(attention_layer(config, 0, 0, "cpu"), states) == sliding
-    assert key_value_step.runs_fused(attention_layer(config, full_layer, 0, "cpu"), states) == full
+    assert key_value_step.runs_fused(attention_layer(config, 0, 0, "cpu"), states) == fused
+    assert key_value_step.runs_fused(attention_layer(config, full_layer, 0, "cpu"), states) == fused
 
 
 @needs_triton

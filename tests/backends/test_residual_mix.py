@@ -8,8 +8,8 @@ bf16 cast truncates where PyTorch rounds); with the static cache, the post-atten
 same. Steps of 1 to 8 tokens, padding in some, one, three and nine entries in the stack, a width that the kernel's
 chunks do not divide (the chunks narrowed to make several). Small on CPU under Triton's interpreter, at full width on a
 GPU (marked `gpu`). Then whole decode and verification steps of a tiny model with the mixes switched on and off (with
-the other fused steps on, their default), and the decode-step runner's compiled steps. Off by default
-(`INKLING2_FUSED_RESIDUAL_MIX=1` switches it on), and on CPU only under the interpreter.
+the other fused steps on, their default), and the decode-step runner's compiled steps. On by default
+(`INKLING2_FUSED_RESIDUAL_MIX=0` switches it off), and on CPU only under the interpreter.
 """
 
 from __future__ import annotations
@@ -222,10 +222,11 @@ def test_compiled_decode_steps_take_the_fused_mixes_whole():
 
 
 @pytest.mark.parametrize(
-    "switch, interpreter, fused", [(None, "1", False), ("1", "1", True), ("0", "1", False), ("1", None, False)]
+    "switch, interpreter, fused", [(None, "1", True), ("1", "1", True), ("0", "1", False), (None, None, False)]
 )
-def test_the_mixes_are_fused_only_when_switched_on_where_the_kernel_runs(monkeypatch, switch, interpreter, fused):
-    """Off by default; `=1` switches it on where the kernel runs (here: under the interpreter), not on a plain CPU."""
+def test_the_mixes_are_fused_by_default_unless_switched_off_or_on_cpu(monkeypatch, switch, interpreter, fused):
+    """On by default where the kernel runs (here: under the interpreter); `=0` keeps the reference, and so does a
+    plain CPU."""
     set_environment(monkeypatch, {residual_mix.ENV: switch, "TRITON_INTERPRET": interpreter})
     layer = random_layer(1, {}, torch.float32, "cpu", 0)
     partial, blocks = random_stream(1, 1, 2, 64, torch.float32, "cpu", torch.Generator().manual_seed(0))

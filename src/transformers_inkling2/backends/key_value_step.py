@@ -15,9 +15,9 @@ most `MAX_STEP_TOKENS` tokens (and the cache's `max_queries`), CUDA tensors (or 
 gradients, the convolutions as this package defines them, without hooks. Everything else gets None, and the model
 runs the reference.
 
-On by default in sliding layers: its GPU tests pass on an H200 and, with the fused attention step, it makes the
-decode step faster there (docs/benchmarks.md, "The fused decode steps"). `INKLING2_FUSED_KEY_VALUE_STEP=0` keeps the
-reference. Full layers take it only where it is switched on (`=1`) until their GPU tests have run.
+On by default: its GPU tests pass on an H200 (sliding and full layers) and it makes the decode step faster there
+(docs/benchmarks.md, "The fused decode steps" and "Plain `generate()`'s decode step with the fused mixes").
+`INKLING2_FUSED_KEY_VALUE_STEP=0` keeps the reference.
 """
 
 from __future__ import annotations
@@ -37,18 +37,16 @@ from .convolution import step_ring
 ENV = "INKLING2_FUSED_KEY_VALUE_STEP"
 
 
-def enabled(sliding: bool = True) -> bool:
-    """Whether the fused key/value step is on for a sliding layer (the default; `INKLING2_FUSED_KEY_VALUE_STEP=0`
-    switches it off), or for a full one (only where switched on, `=1`)."""
-    setting = os.environ.get(ENV)
-    return setting != "0" if sliding else setting == "1"
+def enabled() -> bool:
+    """Whether the fused key/value step is on (the default; `INKLING2_FUSED_KEY_VALUE_STEP=0` switches it off)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def runs_fused(attention: nn.Module, key_states: torch.Tensor) -> bool:
     """Whether `fused_key_value_step` may take this step, as far as the layer tells (see the module docstring; the
     cache, the step's length and gradients through the states are `convolution.step_ring`'s to check); key_states
     [batch, T, C]."""
-    if not enabled(attention.is_sliding) or not kernel_runs_on(key_states):
+    if not enabled() or not kernel_runs_on(key_states):
         return False
     convolutions = (attention.k_sconv, attention.v_sconv)
     kind = Inkling2ShortConvolution if attention.is_sliding else Inkling2DynamicShortConvolution

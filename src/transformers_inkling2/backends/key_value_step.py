@@ -60,8 +60,9 @@ def runs_fused(attention: nn.Module, key_states: torch.Tensor) -> bool:
 
 
 def kernel_weights(convolution: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's static weights as the kernel reads them, [C, k]; the same as `F.conv1d` takes them, [C, 1, k],
-    for `step_ring`'s checks): a sliding layer's in conv1d's order, a full layer's by lag."""
+    """(this rank's static weights as the kernel reads them, [C, k]: a sliding layer's in conv1d's order, a full
+    layer's by lag; the same weights shaped [C, 1, k] as `F.conv1d` takes them, for `step_ring`'s checks of the tap
+    count and gradients)."""
     if isinstance(convolution, Inkling2DynamicShortConvolution):
         by_lag = local_tensor(convolution.static_weight).T  # under tensor parallelism: this rank's channels
         return by_lag, by_lag.unsqueeze(1)

@@ -42,7 +42,9 @@ the slope's run-to-run spread). A setting is `base` (as the package runs), `NAME
 switch, e.g. `INKLING2_FUSED_ATTENTION_STEP=1`, set while that setting's runner is built and its steps run),
 `key=value` (an inductor option passed through `CompileConfig(options=...)`, e.g. `combo_kernels=False`), or several
 of those joined by commas (`INKLING2_FUSED_ATTENTION_STEP=1,INKLING2_FUSED_KEY_VALUE_STEP=1`). Reports step ms
-(median, range over the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting;
+(median, range over the rounds), kernels, GPU busy ms and the logits' relative difference to the first setting's,
+over the batch and per row, median and largest (one row far off while the rest agree: an expert picked differently
+where two router logits were nearly tied, not a broken kernel);
 `decode_compare.md`. The steps are `torch.compile`d inside their graphs; with `--graphs-only` (with `--per-layer`,
 the slope or `--compare`) they are captured as plain `generate()` captures them, without compiling (then only
 environment switches make `--compare` settings).
@@ -472,18 +474,22 @@ def compare_benchmark(args) -> list[dict]:
                 for setting, (step, first) in steps.items():
                     kernels, gpu_ms, _ = profiled_kernels(step)
                     difference = ((first - reference).norm() / reference.norm()).item()
+                    by_row = ((first - reference).norm(dim=-1) / reference.norm(dim=-1)).flatten().tolist()
                     rows.append(dict(variant=variant, batch=batch, setting=setting, ms=statistics.median(
                         times[setting]), low=min(times[setting]), high=max(times[setting]), kernels=kernels,
-                        gpu_ms=gpu_ms, difference=difference))  # fmt: skip
+                        gpu_ms=gpu_ms, difference=difference, row_difference=(statistics.median(by_row),
+                                                                                max(by_row))))  # fmt: skip
                     print(rows[-1], flush=True)
             del steps
             free_memory()
         del model
         free_memory()
         table = markdown_table(
-            ["layer", "batch", "setting", "step ms (median)", "range", "kernels", "GPU busy ms", "logits vs first"],
+            ["layer", "batch", "setting", "step ms (median)", "range", "kernels", "GPU busy ms", "logits vs first",
+             "per row: median, largest"],
             [[r["variant"], r["batch"], r["setting"], fmt(r["ms"], ".3f"), f"{r['low']:.3f}-{r['high']:.3f}",
-              fmt(r["kernels"], ".1f"), fmt(r["gpu_ms"], ".3f"), fmt(r["difference"], ".1e")] for r in rows],
+              fmt(r["kernels"], ".1f"), fmt(r["gpu_ms"], ".3f"), fmt(r["difference"], ".1e"),
+              ", ".join(fmt(d, ".1e") for d in r["row_difference"])] for r in rows],
         )  # fmt: skip
         text = (f"# Decode steps of a {LAYERS}-layer slice under several settings\n\n{environment()}; command: "
                 f"`python3 benchmarks/decode.py --per-layer {' '.join(args.per_layer)} --batches "

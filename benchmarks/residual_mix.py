@@ -6,12 +6,12 @@ mix and norm before attention (one query), a full layer's (three), and the mix b
 convolution over the static cache's ring, each over 8 completed blocks (the most a mix of the model reads); and the
 layer's end, the post-MLP step convolution with the partial block added in its epilogue. One token at batch 1, 8 and 64,
 and an 8-token verification step at batch 1. Each variant is captured 20 times in one CUDA graph and replayed, as a
-decode step's graph replays it: us per call. `--tiles` / `--warps` time the fused kernel at other values of
-`residual_mix_kernel.TILE` / `NUM_WARPS` too (each pair compiles its own kernels).
+decode step's graph replays it: us per call. `--chunks` / `--warps` time the fused kernels at other values of
+`residual_mix_kernel.CHUNK` / `NUM_WARPS` too (each pair compiles its own kernels).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
-    python3 benchmarks/residual_mix.py [--tiles 2048 4096 8192] [--warps 4 8 16] [--out DIR]
+    python3 benchmarks/residual_mix.py [--chunks 256 512 1024] [--warps 4 8 16] [--out DIR]
 
 Writes `residual_mix.md` (+ `.json`) under --out (default $OUT, else ./).
 """
@@ -80,19 +80,19 @@ def timed(function, fused: bool, compiled: bool = False) -> float:
         return 1000 * graph_ms(torch.compile(function) if compiled else function, calls=CALLS_PER_GRAPH)
 
 
-def compare(tiles: list[int], warps: list[int]) -> list[dict]:
+def compare(chunks: list[int], warps: list[int]) -> list[dict]:
     layers = {index: build_layer(index) for index in (SLIDING, FULL)}
-    settings = [(residual_mix_kernel.TILE, residual_mix_kernel.NUM_WARPS)]
-    settings += [pair for pair in itertools.product(tiles, warps) if pair != settings[0]]
+    settings = [(residual_mix_kernel.CHUNK, residual_mix_kernel.NUM_WARPS)]
+    settings += [pair for pair in itertools.product(chunks, warps) if pair != settings[0]]
     results = []
     with torch.no_grad():
         for batch, tokens in STEPS:
             for name, function in cases(layers, batch, tokens).items():
                 paths = {"reference, eager": timed(function, fused=False),
                          "reference, torch.compile": timed(function, fused=False, compiled=True)}  # fmt: skip
-                for tile, num_warps in settings:
-                    with mock.patch.multiple(residual_mix_kernel, TILE=tile, NUM_WARPS=num_warps):
-                        paths[f"fused, tile {tile}, {num_warps} warps"] = timed(function, fused=True)
+                for chunk, num_warps in settings:
+                    with mock.patch.multiple(residual_mix_kernel, CHUNK=chunk, NUM_WARPS=num_warps):
+                        paths[f"fused, chunk {chunk}, {num_warps} warps"] = timed(function, fused=True)
                 for path, us in paths.items():
                     results.append(dict(batch=batch, tokens=tokens, mix=name, path=path, us=us))
                     print(results[-1], flush=True)
@@ -102,14 +102,14 @@ def compare(tiles: list[int], warps: list[int]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--tiles", type=int, nargs="+", default=[], help="other TILE values for the fused kernel")
-    parser.add_argument("--warps", type=int, nargs="+", default=[], help="other NUM_WARPS values for it")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[], help="other CHUNK values for the kernels")
+    parser.add_argument("--warps", type=int, nargs="+", default=[], help="other NUM_WARPS values for them")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/residual_mix.py needs a CUDA GPU")
-    tiles = args.tiles or [residual_mix_kernel.TILE]
+    chunks = args.chunks or [residual_mix_kernel.CHUNK]
     warps = args.warps or [residual_mix_kernel.NUM_WARPS]
-    results = compare(tiles, warps)
+    results = compare(chunks, warps)
     table = markdown_table(["batch", "tokens", "mix", "path", "us per call"],
                            [[r["batch"], r["tokens"], r["mix"], r["path"], f"{r['us']:.1f}"] for r in results])
     command = " ".join(["python3 benchmarks/residual_mix.py", *sys.argv[1:]])

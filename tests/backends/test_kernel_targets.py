@@ -480,7 +480,8 @@ DECODE_STEP_KERNELS = {
     "router_kernel._top_k_kernel",
     "convolution_kernel._step_convolution_kernel",
     "key_value_kernel._key_value_step_kernel",
-    "residual_mix_kernel._residual_mix_kernel",
+    "residual_mix_kernel._mix_statistics_kernel",
+    "residual_mix_kernel._mix_kernel",
     "decode_kernel._decode_partial_kernel",
     "decode_kernel._decode_merge_kernel",
 }

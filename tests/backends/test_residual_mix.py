@@ -52,7 +52,7 @@ BF16_BOUND = 2 * 2**-8  # two bf16 ulps, relative
 PROMPT, STEP_TOKENS = 11, (1, 3, 8, 2, 1)
 # layer 1: sliding, one query; layer 5: full, three queries (q / k / v inputs); layer 6: opens a block
 LAYERS = (1, 5, 6)
-WIDE = dict(hidden_size=320)  # with the tile shrunk (`narrow_chunks`): three chunks of 128, the third partly masked
+WIDE = dict(hidden_size=320)  # the chunk narrowed (`narrow_chunks`): three of 128 channels, the third partly masked
 
 
 def random_layer(index: int, fields: dict, dtype, device, seed: int) -> Inkling2DecoderLayer:
@@ -141,10 +141,10 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
 
 
 def narrow_chunks():
-    """The kernel's chunks at their narrowest, whatever the tokens and queries: several per pass at width 320."""
+    """The kernel's chunks of 128 channels: three programs per batch row at width 320 (one at the tiny width)."""
     from transformers_inkling2.backends import residual_mix_kernel
 
-    return mock.patch.object(residual_mix_kernel, "TILE", 1)
+    return mock.patch.object(residual_mix_kernel, "CHUNK", 128)
 
 
 def interpreter_layer_comparisons() -> dict:
@@ -200,12 +200,12 @@ def test_model_steps_with_the_fused_mixes_equal_the_reference_steps():
 
 def compiled_steps_with_the_fused_mixes() -> dict:
     """The decode-step runner's compiled steps with the fused mixes switched on, against the same steps run eagerly
-    (`compiled_step_launches`): the kernel's launches by its mode (0: before attention and the readout; 2: after
-    attention, convolving over the ring), and the step convolution's by whether it adds a residual (the layers'
-    ends)."""
+    (`compiled_step_launches`): the launches of the mix's first kernel by its mode (0: before attention and the
+    readout; 2: after attention, convolving over the ring), and the step convolution's by whether it adds a residual
+    (the layers' ends)."""
     from transformers_inkling2.backends import convolution_kernel, residual_mix_kernel
 
-    kernels = [(residual_mix_kernel, "_residual_mix_kernel", "ADDEND"),
+    kernels = [(residual_mix_kernel, "_mix_statistics_kernel", "ADDEND"),
                (convolution_kernel, "_step_convolution_kernel", "HAS_RESIDUAL")]  # fmt: skip
     results = compiled_step_launches({residual_mix.ENV: "1"}, kernels)
     launches, ends = results["launches"]
@@ -231,6 +231,19 @@ def test_the_mixes_are_fused_by_default_unless_switched_off_or_on_cpu(monkeypatc
     layer = random_layer(1, {}, torch.float32, "cpu", 0)
     partial, blocks = random_stream(1, 1, 2, 64, torch.float32, "cpu", torch.Generator().manual_seed(0))
     assert residual_mix.runs_fused(layer.mlp_input, (layer.post_attention_layernorm,), blocks, partial) == fused
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_compiled_steps_take_the_fused_mixes_for_one_token_only(monkeypatch, compiling):
+    """Under `torch.compile` a verification step's mixes stay inductor's (faster at 8 tokens, docs/benchmarks.md);
+    one-token steps, and uncompiled steps of any length, take the kernel."""
+    set_environment(monkeypatch, {residual_mix.ENV: "1", "TRITON_INTERPRET": "1"})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    layer = random_layer(1, {}, torch.float32, "cpu", 0)
+    generator = torch.Generator().manual_seed(0)
+    for length, fused in ((1, True), (3, not compiling)):
+        partial, blocks = random_stream(1, length, 2, 64, torch.float32, "cpu", generator)
+        assert residual_mix.runs_fused(layer.mlp_input, (layer.post_attention_layernorm,), blocks, partial) == fused
 
 
 def test_only_steps_without_gradients_or_hooks_take_the_fused_mixes(monkeypatch):

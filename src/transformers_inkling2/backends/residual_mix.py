@@ -1,4 +1,4 @@
-"""A decode step's attention-residual mixes and the RMS norms after them, one launch each.
+"""A decode step's attention-residual mixes and the RMS norms after them, two launches each.
 
 Registered as the model's `"residual_mix"` and `"residual_mix_after_sublayer"` kernels (`modeling.interfaces.KERNELS`).
 Before each sublayer and before the readout, the reference (`Inkling2BlockAttentionResidual`, then `Inkling2RMSNorm`)
@@ -6,9 +6,10 @@ RMS-normalizes the partial block, stacks it after the completed blocks, takes ea
 the weighted stack and normalizes the sum: in a decode step these are vectors of a few thousand channels, so the work is
 nothing and the launches are everything (20 to 34 operations per mix and norms in an uncompiled step replayed as a CUDA
 graph, docs/kernels.md; three or four reductions in a step compiled by inductor). `residual_mix_kernel` computes one mix
-and its norms in one program per token. After attention it also adds the attention's output to the partial block first,
-and where the step runs over the static cache's ring it computes that output's short convolution too
-(`post_attention_convolution`), so the convolution's launch goes as well. And at the layer's end, registered as
+and its norms in two launches split over the width (the stack's per-chunk sums, then the mix). After attention it also
+adds the attention's output to the partial block first, and where the step runs over the static cache's ring it
+computes that output's short convolution too (`post_attention_convolution`), so the convolution's launch goes as
+well. And at the layer's end, registered as
 `"residual_step_convolution"`, the post-MLP step convolution adds the partial block to its output in its epilogue
 (`convolution_kernel.step_convolution`'s residual), where the reference adds and rounds in launches of their own.
 
@@ -47,9 +48,11 @@ def enabled() -> bool:
 
 def runs_fused(mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.Tensor, *stream: torch.Tensor) -> bool:
     """Whether the kernel may take this mix (see the module docstring); stream: the [batch, T, H] tensors it reads
-    (the partial block, a sublayer's output), the first of them not None."""
+    (the partial block, a sublayer's output), the first of them not None. Under `torch.compile` only one-token steps:
+    at 8 tokens inductor's reductions are faster (a program walks its tokens in turn; docs/benchmarks.md)."""
     step = stream[0]
-    if not enabled() or not kernel_runs_on(step) or step.shape[1] > MAX_STEP_TOKENS:
+    longest = 1 if torch.compiler.is_compiling() else MAX_STEP_TOKENS
+    if not enabled() or not kernel_runs_on(step) or step.shape[1] > longest:
         return False
     if not plain_module(mix, Inkling2BlockAttentionResidual) or len(norms) != mix.query.numel() // step.shape[-1]:
         return False

@@ -5,17 +5,18 @@ width (`residual_mix`; after a sublayer's output joins the partial block, `resid
 The mix of a token is a softmax over its stack (the completed blocks, then the RMS-normalized partial block), and the
 norm after it needs the mix's sum of squares: two reductions over the whole width before a single output channel is
 known. A program per token walking the width (the first version of this kernel) leaves all but one SM idle and took
-16 to 92 us a mix on an H200, more than inductor's reductions (docs/benchmarks.md); here both reductions come from one set of sums, so the width splits over
-programs with one launch boundary between them:
+16 to 92 us a mix on an H200, more than inductor's reductions (docs/benchmarks.md); here both reductions come from
+one set of sums, so the width splits over programs with one launch boundary between them:
 1. `_mix_statistics_kernel`, a program per batch row and chunk of `CHUNK` channels: the partial block (as given, or
    with a sublayer's output added: the post-attention convolution computed here over the static cache's ring,
    `convolution_kernel._step_sum`, rounded to the output's dtype as the module returns it, the step's inputs written
    into the ring; stored in fp32), then per token the chunk's Gram matrix of the stack, G[i, j] = s_i . s_j, and
    every query's dot product with each entry (one row reduction per entry), stored per chunk.
 2. `_mix_kernel`, the same grid: each program adds the chunks' sums up (every program of a row in the same order, so
-   to the same numbers), scales the partial block's row and column of G by its RMS scale, takes each query's softmax over the
-   stack and the mix's sum of squares as w^T G w, then writes its channels of each mix, RMS-normalized, times its
-   norm's weight, in the output dtype; in a layer that opens a block also its channels of the stack (`with_block`).
+   to the same numbers), scales the partial block's row and column of G by its RMS scale, takes each query's softmax
+   over the stack and the mix's sum of squares as w^T G w, then writes its channels of each mix, RMS-normalized,
+   times its norm's weight, in the output dtype; in a layer that opens a block also its channels of the stack
+   (`with_block`).
 The arithmetic is the reference's (`Inkling2BlockAttentionResidual`, `Inkling2RMSNorm`) in fp32 with correctly rounded
 means, square roots and divisions, in another order: sums over the width by chunk, the normalized partial block's dot
 products as the partial's times its scale, and the mix's sum of squares as w^T G w (the weights are a softmax, so

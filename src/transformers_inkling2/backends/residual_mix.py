@@ -13,13 +13,15 @@ well. And at the layer's end, registered as
 `"residual_step_convolution"`, the post-MLP step convolution adds the partial block to its output in its epilogue
 (`convolution_kernel.step_convolution`'s residual), where the reference adds and rounds in launches of their own.
 
-It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps) on CUDA tensors (or under
-Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package defines them,
-without hooks; everything else gets None, and the model runs the reference.
+It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps; one token under
+`torch.compile`, where inductor's reductions are faster at more) on CUDA tensors (or under Triton's interpreter) without
+gradients, with the mix, norm and convolution modules as this package defines them, without hooks; everything else
+gets None, and the model runs the reference.
 
-On by default since 2026-12-05: its GPU tests pass on an H200, and with the full layers' fused key/value step it
-takes a 6-layer slice's uncompiled decode step (what plain `generate()`'s CUDA graphs replay) from 517 launches to
-215 and 19-34% less time (docs/benchmarks.md). `INKLING2_FUSED_RESIDUAL_MIX=0` keeps the reference.
+On by default since 2026-12-05: its GPU tests passed on an H200, and with the full layers' fused key/value step it
+took a 6-layer slice's uncompiled decode step (what plain `generate()`'s CUDA graphs replay) from 517 launches to 215
+and 19-34% less time, with the first kernel (a program per token); the kernel split over the width since is faster
+alone at one-token steps (docs/benchmarks.md). `INKLING2_FUSED_RESIDUAL_MIX=0` keeps the reference.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ width (`residual_mix`; after a sublayer's output joins the partial block, `resid
 The mix of a token is a softmax over its stack (the completed blocks, then the RMS-normalized partial block), and the
 norm after it needs the mix's sum of squares: two reductions over the whole width before a single output channel is
 known. A program per token walking the width (the first version of this kernel) leaves all but one SM idle and took
-16 to 92 us a mix on an H200, more than inductor's reductions (docs/benchmarks.md); here both reductions come from
-one set of sums, so the width splits over programs with one launch boundary between them:
+16 to 92 us a mix on an H200, more than inductor's reductions below batch 64 (docs/benchmarks.md); here both
+reductions come from one set of sums, so the width splits over programs with one launch boundary between them:
 1. `_mix_statistics_kernel`, a program per batch row and chunk of `CHUNK` channels: the partial block (as given, or
    with a sublayer's output added: the post-attention convolution computed here over the static cache's ring,
    `convolution_kernel._step_sum`, rounded to the output's dtype as the module returns it, the step's inputs written
@@ -36,8 +36,8 @@ from .convolution_kernel import _step_sum
 from .dependent_launch import dependent_launch
 from .dependent_launch_kernel import release_successor, wait_for_predecessor
 
-# Channels per program: hidden 4,608 in 18 chunks, a grid of 18 programs per batch row (`benchmarks/residual_mix.py
-# --chunks` times others).
+# Channels per program: hidden 4,608 in 18 chunks, 18 programs per batch row. On an H200 the fastest or within 1 us of
+# 128 and 512 at batch 1 and 8; 512 is 3-7 us faster at batch 64 (`benchmarks/residual_mix.py --chunks`).
 CHUNK = 256
 NUM_WARPS = 4
 BLOCK_EPS = tl.constexpr(1e-6)  # `with_block`'s RMS norm of the partial block (a constexpr: the kernel reads it)

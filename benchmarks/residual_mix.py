@@ -1,5 +1,5 @@
 """A decode step's attention-residual mixes on one GPU: the reference (PyTorch, eager and `torch.compile`d) against
-the fused kernel (`backends/residual_mix.py`, `INKLING2_FUSED_RESIDUAL_MIX=1`), at its tile settings.
+the fused kernel (`backends/residual_mix.py`, `INKLING2_FUSED_RESIDUAL_MIX=1`), at its chunk and warp settings.
 
 Full-width Inkling-2-Small layers (hidden 4,608), bf16, through the decoder layer's own entry points: a sliding layer's
 mix and norm before attention (one query), a full layer's (three), and the mix before the MoE after the post-attention

@@ -11,7 +11,7 @@ decode step's graph replays it: us per call. `--chunks` / `--warps` time the fus
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
-    python3 benchmarks/residual_mix.py [--chunks 256 512 1024] [--warps 4 8 16] [--out DIR]
+    python3 benchmarks/residual_mix.py [--chunks 256 512 1024] [--warps 4 8 16] [--fused-only] [--out DIR]
 
 Writes `residual_mix.md` (+ `.json`) under --out (default $OUT, else ./).
 """
@@ -80,7 +80,7 @@ def timed(function, fused: bool, compiled: bool = False) -> float:
         return 1000 * graph_ms(torch.compile(function) if compiled else function, calls=CALLS_PER_GRAPH)
 
 
-def compare(chunks: list[int], warps: list[int]) -> list[dict]:
+def compare(chunks: list[int], warps: list[int], fused_only: bool) -> list[dict]:
     layers = {index: build_layer(index) for index in (SLIDING, FULL)}
     settings = [(residual_mix_kernel.CHUNK, residual_mix_kernel.NUM_WARPS)]
     settings += [pair for pair in itertools.product(chunks, warps) if pair != settings[0]]
@@ -88,8 +88,8 @@ def compare(chunks: list[int], warps: list[int]) -> list[dict]:
     with torch.no_grad():
         for batch, tokens in STEPS:
             for name, function in cases(layers, batch, tokens).items():
-                paths = {"reference, eager": timed(function, fused=False),
-                         "reference, torch.compile": timed(function, fused=False, compiled=True)}  # fmt: skip
+                paths = {} if fused_only else {"reference, eager": timed(function, fused=False),
+                                               "reference, torch.compile": timed(function, fused=False, compiled=True)}
                 for chunk, num_warps in settings:
                     with mock.patch.multiple(residual_mix_kernel, CHUNK=chunk, NUM_WARPS=num_warps):
                         paths[f"fused, chunk {chunk}, {num_warps} warps"] = timed(function, fused=True)
@@ -104,12 +104,13 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--chunks", type=int, nargs="+", default=[], help="other CHUNK values for the kernels")
     parser.add_argument("--warps", type=int, nargs="+", default=[], help="other NUM_WARPS values for them")
+    parser.add_argument("--fused-only", action="store_true", help="leave the reference out (to compare kernels)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/residual_mix.py needs a CUDA GPU")
     chunks = args.chunks or [residual_mix_kernel.CHUNK]
     warps = args.warps or [residual_mix_kernel.NUM_WARPS]
-    results = compare(chunks, warps)
+    results = compare(chunks, warps, args.fused_only)
     table = markdown_table(["batch", "tokens", "mix", "path", "us per call"],
                            [[r["batch"], r["tokens"], r["mix"], r["path"], f"{r['us']:.1f}"] for r in results])
     command = " ".join(["python3 benchmarks/residual_mix.py", *sys.argv[1:]])

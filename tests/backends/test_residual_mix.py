@@ -42,7 +42,7 @@ from transformers_inkling2 import (
     Inkling2TextModel,
 )
 from transformers_inkling2.backends import residual_mix
-from transformers_inkling2.cache.common import POST_ATTENTION_CONV, POST_MLP_CONV
+from transformers_inkling2.cache.common import MAX_STEP_TOKENS, POST_ATTENTION_CONV, POST_MLP_CONV
 from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2DecoderLayer
 from transformers_inkling2.modeling.norms import rms_normalize
 from transformers_inkling2.tiny import randomize_
@@ -234,14 +234,14 @@ def test_the_mixes_are_fused_by_default_unless_switched_off_or_on_cpu(monkeypatc
 
 
 @pytest.mark.parametrize("compiling", [False, True])
-def test_compiled_steps_take_the_fused_mixes_for_one_token_only(monkeypatch, compiling):
-    """Under `torch.compile` a verification step's mixes stay inductor's (faster at 8 tokens, docs/benchmarks.md);
-    one-token steps, and uncompiled steps of any length, take the kernel."""
+def test_steps_up_to_a_verification_step_take_the_fused_mixes_compiled_or_not(monkeypatch, compiling):
+    """Compiled or not, one-token and verification steps take the kernel (with the step's tokens in its grid it is
+    faster than inductor's reductions at 8 tokens too, docs/benchmarks.md); a longer chunk runs the reference."""
     set_environment(monkeypatch, {residual_mix.ENV: "1", "TRITON_INTERPRET": "1"})
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     layer = random_layer(1, {}, torch.float32, "cpu", 0)
     generator = torch.Generator().manual_seed(0)
-    for length, fused in ((1, True), (3, not compiling)):
+    for length, fused in ((1, True), (MAX_STEP_TOKENS, True), (MAX_STEP_TOKENS + 1, False)):
         partial, blocks = random_stream(1, length, 2, 64, torch.float32, "cpu", generator)
         assert residual_mix.runs_fused(layer.mlp_input, (layer.post_attention_layernorm,), blocks, partial) == fused
 

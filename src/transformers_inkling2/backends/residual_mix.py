@@ -13,9 +13,8 @@ well. And at the layer's end, registered as
 `"residual_step_convolution"`, the post-MLP step convolution adds the partial block to its output in its epilogue
 (`convolution_kernel.step_convolution`'s residual), where the reference adds and rounds in launches of their own.
 
-It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps; one token under
-`torch.compile`, where inductor's reductions are faster at more) on CUDA tensors (or under Triton's interpreter) without
-gradients, with the mix, norm and convolution modules as this package defines them, without hooks; everything else
+It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps, compiled or not) on CUDA
+tensors (or under Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package defines them, without hooks; everything else
 gets None, and the model runs the reference.
 
 On by default since 2026-12-05: its GPU tests passed on an H200, and with the full layers' fused key/value step it
@@ -50,11 +49,9 @@ def enabled() -> bool:
 
 def runs_fused(mix: nn.Module, norms: Sequence[nn.Module], blocks: torch.Tensor, *stream: torch.Tensor) -> bool:
     """Whether the kernel may take this mix (see the module docstring); stream: the [batch, T, H] tensors it reads
-    (the partial block, a sublayer's output), the first of them not None. Under `torch.compile` only one-token steps:
-    at 8 tokens inductor's reductions are faster (a program walks its tokens in turn; docs/benchmarks.md)."""
+    (the partial block, a sublayer's output), the first of them not None."""
     step = stream[0]
-    longest = 1 if torch.compiler.is_compiling() else MAX_STEP_TOKENS
-    if not enabled() or not kernel_runs_on(step) or step.shape[1] > longest:
+    if not enabled() or not kernel_runs_on(step) or step.shape[1] > MAX_STEP_TOKENS:
         return False
     if not plain_module(mix, Inkling2BlockAttentionResidual) or len(norms) != mix.query.numel() // step.shape[-1]:
         return False

@@ -7,11 +7,13 @@ norm after it needs the mix's sum of squares: two reductions over the whole widt
 known. A program per token walking the width (the first version of this kernel) leaves all but one SM idle and took
 16 to 92 us a mix on an H200, more than inductor's reductions below batch 64 (docs/benchmarks.md); here both
 reductions come from one set of sums, so the width splits over programs with one launch boundary between them:
-1. `_mix_statistics_kernel`, a program per batch row and chunk of `CHUNK` channels: the partial block (as given, or
-   with a sublayer's output added: the post-attention convolution computed here over the static cache's ring,
-   `convolution_kernel._step_sum`, rounded to the output's dtype as the module returns it, the step's inputs written
-   into the ring; stored in fp32), then per token the chunk's Gram matrix of the stack, G[i, j] = s_i . s_j, and
-   every query's dot product with each entry (one row reduction per entry), stored per chunk.
+1. `_mix_statistics_kernel`, a program per batch row, chunk of `CHUNK` channels and token of the step: the partial
+   block (as given, or with a sublayer's output added: the post-attention convolution computed here over the static
+   cache's ring, `convolution_kernel._step_sum`, for all of the step's tokens in every token's program since a token's
+   reads the earlier ones, rounded to the output's dtype as the module returns it; token 0's program writes the step's
+   inputs into the ring and the new partial block in fp32), then the token's Gram matrix of the stack over the chunk,
+   G[i, j] = s_i . s_j, and every query's dot product with each entry (one row reduction per entry), stored per
+   chunk.
 2. `_mix_kernel`, the same grid: each program adds the chunks' sums up (every program of a row in the same order, so
    to the same numbers), scales the partial block's row and column of G by its RMS scale, takes each query's softmax
    over the stack and the mix's sum of squares as w^T G w, then writes its channels of each mix, RMS-normalized,
@@ -47,27 +49,14 @@ NO_ADDEND, GIVEN_ADDEND, CONVOLVED_ADDEND = 0, 1, 2
 # kernel signatures and pointer arithmetic read better packed
 # fmt: off
 @triton.jit
-def _entry(blocks_row, stride_bn, stride_bc, stream_row, stride_sc, chans, chan_ok, n, NUM_BLOCKS: tl.constexpr):
-    """Stack entry n of one token over a chunk, [BLOCK_C] fp32: completed block n, or the partial block (not yet
-    normalized) where n is NUM_BLOCKS."""
-    if n < NUM_BLOCKS:
-        entry = tl.load(blocks_row + n * stride_bn + chans * stride_bc, mask=chan_ok, other=0.0)
-    else:
-        entry = tl.load(stream_row + chans * stride_sc, mask=chan_ok, other=0.0)
-    return entry.to(tl.float32)
-
-
-@triton.jit
-def _stack_tile(blocks_row, stride_bn, stride_bc, stream_row, stride_sc, chans, chan_ok, NUM_BLOCKS: tl.constexpr,
+def _stack_tile(blocks_row, stride_bn, stride_bc, partial, chans, chan_ok, NUM_BLOCKS: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """One token's stack over a chunk, [BLOCK_M, BLOCK_C] fp32: the completed blocks in rows 0..NUM_BLOCKS - 1, the
-    partial block (not yet normalized) in row NUM_BLOCKS, zeros below."""
+    partial block `partial` [BLOCK_C] (not yet normalized) in row NUM_BLOCKS, zeros below."""
     ms = tl.arange(0, BLOCK_M)[:, None]
     blocks = tl.load(blocks_row + ms * stride_bn + chans[None, :] * stride_bc,
                      mask=(ms < NUM_BLOCKS) & chan_ok[None, :], other=0.0)
-    partial = tl.load(stream_row + chans[None, :] * stride_sc + ms * 0, mask=(ms == NUM_BLOCKS) & chan_ok[None, :],
-                      other=0.0)
-    return blocks + partial.to(tl.float32)
+    return blocks + tl.where(ms == NUM_BLOCKS, partial[None, :], 0.0)
 
 
 @triton.jit
@@ -80,29 +69,30 @@ def _mix_statistics_kernel(
     HAS_PARTIAL: tl.constexpr, KERNEL_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    """grid (batch, chunks). For each of the step's tokens t and this chunk k of BLOCK_C channels: products[b, t, k,
-    n, m] = entry_n . row_m over the chunk for the stack's entries n (NUM_BLOCKS completed blocks, then the partial
-    block) and the rows m of [the stack's entries, the queries]: the stack's Gram matrix and the queries' dot products
-    in one. The partial block is partial[b, t] (HAS_PARTIAL) plus the addend (ADDEND 1: addend[b, t] as given; 2: the
-    step convolution of addend over the ring, rounded to its dtype), stored in new_partial[b, t] when there is an
-    addend."""
+    """grid (batch, chunks, TOKENS). For token t and chunk k of BLOCK_C channels: products[b, t, k, n, m] = entry_n .
+    row_m over the chunk for the stack's entries n (NUM_BLOCKS completed blocks, then the partial block) and the rows
+    m of [the stack's entries, the queries]: the stack's Gram matrix and the queries' dot products in one. The partial
+    block is partial[b, t] (HAS_PARTIAL) plus the addend (ADDEND 1: addend[b, t] as given; 2: the step convolution of
+    addend over the ring, rounded to its dtype, which every token's program computes for all of the step's tokens: a
+    token's reads the earlier ones), stored in new_partial[b] by token 0's program when there is an addend."""
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    t = tl.program_id(2)
     chans = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_ok = chans < hidden
-    tokens = tl.arange(0, BLOCK_T)
-    ok = (tokens < TOKENS)[:, None] & chan_ok[None, :]
-    if ADDEND != 0:  # the new partial block, every token at once (the convolution reads the step's earlier tokens)
+    if ADDEND != 0:  # the new partial block of every token, this one's row kept
+        tokens = tl.arange(0, BLOCK_T)
+        ok = (tokens < TOKENS)[:, None] & chan_ok[None, :]
         if HAS_PARTIAL:
-            partial = tl.load(partial_ptr + b * stride_pb + tokens[:, None] * stride_pt + chans[None, :] * stride_pc,
-                              mask=ok, other=0.0).to(tl.float32)
+            partials = tl.load(partial_ptr + b * stride_pb + tokens[:, None] * stride_pt + chans[None, :] * stride_pc,
+                               mask=ok, other=0.0).to(tl.float32)
         else:
-            partial = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            partials = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         if ADDEND == 1:
             addend = tl.load(addend_ptr + b * stride_ab + tokens[:, None] * stride_at + chans[None, :] * stride_ac,
                              mask=ok, other=0.0)
-            partial = partial + addend.to(tl.float32)
+            partials = partials + addend.to(tl.float32)
         if ADDEND == 2:
             ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
             convolved, ring_inputs, write = _step_sum(
@@ -110,26 +100,28 @@ def _mix_statistics_kernel(
                 stride_mt, ring_rows, stride_rs, conv_weight_ptr + chans[None, :] * stride_wc, stride_wk,
                 history_slots_ptr, history_held_ptr, write_slots_ptr, chan_ok[None, :], divisor, TOKENS, KERNEL_SIZE,
                 HAS_MASK, BLOCK_T)
-            partial = partial + convolved.to(addend_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(ring_rows + write[:, None] * stride_rs, ring_inputs, mask=ok)
-        tl.store(new_partial_ptr + (b * TOKENS + tokens[:, None]) * hidden + chans[None, :], partial, mask=ok)
-        tl.debug_barrier()  # read back below, per token, by other threads of the program
-        stream, stride_st, stride_sc = new_partial_ptr + b * TOKENS * hidden, hidden, 1
+            partials = partials + convolved.to(addend_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(ring_rows + write[:, None] * stride_rs, ring_inputs, mask=ok & (t == 0))
+        tl.store(new_partial_ptr + (b * TOKENS + tokens[:, None]) * hidden + chans[None, :], partials,
+                 mask=ok & (t == 0))
+        partial = tl.sum(tl.where(tokens[:, None] == t, partials, 0.0), 0)
     else:
-        stream, stride_st, stride_sc = partial_ptr + b * stride_pb, stride_pt, stride_pc
+        partial = tl.load(partial_ptr + b * stride_pb + t * stride_pt + chans * stride_pc, mask=chan_ok,
+                          other=0.0).to(tl.float32)
     # the queries in the rows after the stack's
     ms = tl.arange(0, BLOCK_M)
     query_rows = ms[:, None] - (NUM_BLOCKS + 1)
     queries = tl.load(queries_ptr + query_rows * stride_qq + chans[None, :] * stride_qc,
                       mask=(query_rows >= 0) & (query_rows < QUERIES) & chan_ok[None, :], other=0.0).to(tl.float32)
-    for t in tl.static_range(TOKENS):
-        blocks_row, stream_row = blocks_ptr + b * stride_bb + t * stride_bt, stream + t * stride_st
-        rows = _stack_tile(blocks_row, stride_bn, stride_bc, stream_row, stride_sc, chans, chan_ok, NUM_BLOCKS,
-                           BLOCK_M) + queries
-        slot = ((b * TOKENS + t) * chunks + chunk) * BLOCK_M
-        for n in tl.static_range(NUM_BLOCKS + 1):
-            entry = _entry(blocks_row, stride_bn, stride_bc, stream_row, stride_sc, chans, chan_ok, n, NUM_BLOCKS)
-            tl.store(products_ptr + (slot + n) * BLOCK_M + ms, tl.sum(rows * entry[None, :], 1))
+    blocks_row = blocks_ptr + b * stride_bb + t * stride_bt
+    rows = _stack_tile(blocks_row, stride_bn, stride_bc, partial, chans, chan_ok, NUM_BLOCKS, BLOCK_M) + queries
+    slot = ((b * TOKENS + t) * chunks + chunk) * BLOCK_M
+    for n in tl.static_range(NUM_BLOCKS + 1):
+        if n < NUM_BLOCKS:
+            entry = tl.load(blocks_row + n * stride_bn + chans * stride_bc, mask=chan_ok, other=0.0)
+        else:
+            entry = partial
+        tl.store(products_ptr + (slot + n) * BLOCK_M + ms, tl.sum(rows * entry[None, :], 1))
     release_successor(PDL)
 
 
@@ -141,56 +133,53 @@ def _mix_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, STORE_STACK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """grid (batch, chunks). out[q, b, t] over this chunk's channels = norm_q(sum_n softmax_n(stack[n] . query_q /
-    logit_divisor) stack[n]) in out's dtype, stack = [blocks[b, t, 0..NUM_BLOCKS), rms_normalize(stream[b, t])], from
-    `_mix_statistics_kernel`'s products, added up over the chunks (in the same order by every program). norm_q(x) =
-    norm_q_weight * x / sqrt(mean(x^2) + eps). STORE_STACK (a layer that opens a block): the stack itself goes to
-    stack[b, t] [NUM_BLOCKS + 1, H] fp32 (`with_block`)."""
+    """grid (batch, chunks, TOKENS). out[q, b, t] over this chunk's channels = norm_q(sum_n softmax_n(stack[n] .
+    query_q / logit_divisor) stack[n]) in out's dtype, stack = [blocks[b, t, 0..NUM_BLOCKS), rms_normalize(stream[b,
+    t])], from `_mix_statistics_kernel`'s products, added up over the chunks (in the same order by every program).
+    norm_q(x) = norm_q_weight * x / sqrt(mean(x^2) + eps). STORE_STACK (a layer that opens a block): the stack itself
+    goes to stack[b, t] [NUM_BLOCKS + 1, H] fp32 (`with_block`)."""
     wait_for_predecessor(PDL)
     b = tl.program_id(0).to(tl.int64)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = tl.program_id(2)
     chan_ok = chans < hidden
     ms = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     entry_ok = ms <= NUM_BLOCKS
-    for t in tl.static_range(TOKENS):
-        row = (b * TOKENS + t) * chunks
-        values = tl.arange(0, BLOCK_M * BLOCK_M)
-        chunk_products = tl.load(products_ptr + (row + ks[:, None]) * (BLOCK_M * BLOCK_M) + values[None, :],
-                                 mask=(ks < chunks)[:, None] & (values < (NUM_BLOCKS + 1) * BLOCK_M)[None, :],
-                                 other=0.0)
-        products = tl.reshape(tl.sum(chunk_products, 0), (BLOCK_M, BLOCK_M))  # [entry n, row m]
-        # the partial block's RMS scale (`with_block`) on its row and column
-        partial_entry = (ms[:, None] == NUM_BLOCKS) & (ms[None, :] == NUM_BLOCKS)
-        square_sum = tl.sum(tl.sum(tl.where(partial_entry, products, 0.0), 1), 0)
-        zero = tl.zeros_like(square_sum)
-        block_scale = tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(square_sum, zero + hidden) + BLOCK_EPS))
-        scales = tl.where(ms == NUM_BLOCKS, block_scale, 1.0)
-        products = products * scales[:, None] * scales[None, :]
-        gram = tl.where(entry_ok[None, :], products, 0.0)
-        blocks_row = blocks_ptr + b * stride_bb + t * stride_bt
-        stream_row = stream_ptr + b * stride_sb + t * stride_st
-        stack = _stack_tile(blocks_row, stride_bn, stride_bc, stream_row, stride_sc, chans, chan_ok, NUM_BLOCKS,
-                            BLOCK_M) * scales[:, None]
-        if t == TOKENS - 1:
-            release_successor(PDL)  # after the last load but the norms' weights (parameters: no later kernel writes)
-        if STORE_STACK:
-            stack_rows = stack_ptr + ((b * TOKENS + t) * (NUM_BLOCKS + 1) + ms[:, None]) * hidden + chans[None, :]
-            tl.store(stack_rows, stack, mask=entry_ok[:, None] & chan_ok[None, :])
-        for q in tl.static_range(QUERIES):
-            # the query's softmax over the stack, its mix's sum of squares as w^T G w, the mix normalized
-            dots = tl.sum(tl.where(ms[None, :] == NUM_BLOCKS + 1 + q, products, 0.0), 1)
-            logits = tl.where(entry_ok, tl.div_rn(dots, tl.zeros_like(dots) + logit_divisor), float("-inf"))
-            exponents = tl.exp(logits - tl.max(logits, 0))
-            weights = tl.div_rn(exponents, tl.zeros_like(exponents) + tl.sum(exponents, 0))
-            mix_square_sum = tl.sum(tl.sum(weights[:, None] * gram * weights[None, :], 1), 0)
-            zero = tl.zeros_like(mix_square_sum)
-            norm_scale = tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(mix_square_sum, zero + hidden) + eps))
-            mixed = tl.sum(weights[:, None] * stack, 0)
-            norm_ptr = norm0_ptr if q == 0 else (norm1_ptr if q == 1 else norm2_ptr)
-            norm_weight = tl.load(norm_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
-            destination = out_ptr + q * stride_oq + b * stride_ob + t * stride_ot + chans
-            tl.store(destination, (norm_weight * (mixed * norm_scale)).to(out_ptr.dtype.element_ty), mask=chan_ok)
+    values = tl.arange(0, BLOCK_M * BLOCK_M)
+    chunk_products = tl.load(products_ptr + ((b * TOKENS + t) * chunks + ks[:, None]) * (BLOCK_M * BLOCK_M)
+                             + values[None, :],
+                             mask=(ks < chunks)[:, None] & (values < (NUM_BLOCKS + 1) * BLOCK_M)[None, :], other=0.0)
+    products = tl.reshape(tl.sum(chunk_products, 0), (BLOCK_M, BLOCK_M))  # [entry n, row m]
+    # the partial block's RMS scale (`with_block`) on its row and column
+    partial_entry = (ms[:, None] == NUM_BLOCKS) & (ms[None, :] == NUM_BLOCKS)
+    square_sum = tl.sum(tl.sum(tl.where(partial_entry, products, 0.0), 1), 0)
+    zero = tl.zeros_like(square_sum)
+    block_scale = tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(square_sum, zero + hidden) + BLOCK_EPS))
+    scales = tl.where(ms == NUM_BLOCKS, block_scale, 1.0)
+    products = products * scales[:, None] * scales[None, :]
+    gram = tl.where(entry_ok[None, :], products, 0.0)
+    partial = tl.load(stream_ptr + b * stride_sb + t * stride_st + chans * stride_sc, mask=chan_ok, other=0.0)
+    stack = _stack_tile(blocks_ptr + b * stride_bb + t * stride_bt, stride_bn, stride_bc, partial.to(tl.float32),
+                        chans, chan_ok, NUM_BLOCKS, BLOCK_M) * scales[:, None]
+    release_successor(PDL)  # after the last load but the norms' weights (parameters: no later kernel writes them)
+    if STORE_STACK:
+        stack_rows = stack_ptr + ((b * TOKENS + t) * (NUM_BLOCKS + 1) + ms[:, None]) * hidden + chans[None, :]
+        tl.store(stack_rows, stack, mask=entry_ok[:, None] & chan_ok[None, :])
+    for q in tl.static_range(QUERIES):
+        # the query's softmax over the stack, its mix's sum of squares as w^T G w, the mix normalized
+        dots = tl.sum(tl.where(ms[None, :] == NUM_BLOCKS + 1 + q, products, 0.0), 1)
+        logits = tl.where(entry_ok, tl.div_rn(dots, tl.zeros_like(dots) + logit_divisor), float("-inf"))
+        exponents = tl.exp(logits - tl.max(logits, 0))
+        weights = tl.div_rn(exponents, tl.zeros_like(exponents) + tl.sum(exponents, 0))
+        mix_square_sum = tl.sum(tl.sum(weights[:, None] * gram * weights[None, :], 1), 0)
+        zero = tl.zeros_like(mix_square_sum)
+        norm_scale = tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(mix_square_sum, zero + hidden) + eps))
+        mixed = tl.sum(weights[:, None] * stack, 0)
+        norm_ptr = norm0_ptr if q == 0 else (norm1_ptr if q == 1 else norm2_ptr)
+        norm_weight = tl.load(norm_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        destination = out_ptr + q * stride_oq + b * stride_ob + t * stride_ot + chans
+        tl.store(destination, (norm_weight * (mixed * norm_scale)).to(out_ptr.dtype.element_ty), mask=chan_ok)
 
 
 # fmt: on
@@ -246,7 +235,7 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
     pdl = dependent_launch(like)
     shared = dict(TOKENS=length, NUM_BLOCKS=num_blocks, QUERIES=count, BLOCK_M=block_m, BLOCK_C=block_c, PDL=pdl,
                   num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl)
-    _mix_statistics_kernel[(batch, chunks)](
+    _mix_statistics_kernel[(batch, chunks, length)](
         partial_, addend_, mask, ring_, unused if history_slots is None else history_slots,
         unused if history_held is None else history_held, unused if write_slots is None else write_slots, weight_,
         blocks, queries, new_partial, products, hidden, chunks, divisor, *partial_strides, *addend_strides,
@@ -257,7 +246,7 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
     # the partial block the mixes read: the new one where a sublayer's output joined it
     stream, stream_strides = (new_partial, new_partial.stride()) if addend is not None else (partial, partial_strides)
     norms = [*norm_weights, *norm_weights[:1] * (3 - count)]
-    _mix_kernel[(batch, chunks)](
+    _mix_kernel[(batch, chunks, length)](
         stream, blocks, products, *norms, out, stack, hidden, chunks, math.sqrt(hidden), eps, *stream_strides,
         *blocks.stride(), *out.stride()[:3], BLOCK_K=triton.next_power_of_2(chunks), STORE_STACK=opens_block, **shared,
     )  # fmt: skip

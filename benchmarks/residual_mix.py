@@ -5,9 +5,10 @@ Full-width Inkling-2-Small layers (hidden 4,608), bf16, through the decoder laye
 mix and norm before attention (one query), a full layer's (three), and the mix before the MoE after the post-attention
 convolution over the static cache's ring, each over 8 completed blocks (the most a mix of the model reads); and the
 layer's end, the post-MLP step convolution with the partial block added in its epilogue. One token at batch 1, 8 and 64,
-and an 8-token verification step at batch 1 (`--batches`: one-token steps at the batch sizes given instead). Each variant is captured 20 times in one CUDA graph and replayed, as a
-decode step's graph replays it: us per call. `--chunks` / `--warps` time the fused kernels at other values of
-`residual_mix_kernel.CHUNK` / `NUM_WARPS` too (each pair compiles its own kernels).
+and an 8-token verification step at batch 1 (`--batches`: one-token steps at the batch sizes given instead). Each
+variant is captured 20 times in one CUDA graph and replayed, as a decode step's graph replays it: us per call. The fused kernels run at their defaults, and with `--chunks` / `--warps`
+also at each chunk and warp count given (`residual_mix_kernel.CHUNK` and `WIDE_CHUNK` both set to the chunk, so one
+chunk at every batch; `NUM_WARPS`; each pair compiles its own kernels).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -81,18 +82,17 @@ def timed(function, fused: bool, compiled: bool = False) -> float:
         return 1000 * graph_ms(torch.compile(function) if compiled else function, calls=CALLS_PER_GRAPH)
 
 
-def compare(steps: list[tuple[int, int]], chunks: list[int], warps: list[int], fused_only: bool) -> list[dict]:
+def compare(steps: list[tuple[int, int]], settings: list[tuple[int, int]], fused_only: bool) -> list[dict]:
     layers = {index: build_layer(index) for index in (SLIDING, FULL)}
-    settings = [(residual_mix_kernel.CHUNK, residual_mix_kernel.NUM_WARPS)]
-    settings += [pair for pair in itertools.product(chunks, warps) if pair != settings[0]]
     results = []
     with torch.no_grad():
         for batch, tokens in steps:
             for name, function in cases(layers, batch, tokens).items():
                 paths = {} if fused_only else {"reference, eager": timed(function, fused=False),
                                                "reference, torch.compile": timed(function, fused=False, compiled=True)}
+                paths["fused, defaults"] = timed(function, fused=True)
                 for chunk, num_warps in settings:
-                    with mock.patch.multiple(residual_mix_kernel, CHUNK=chunk, NUM_WARPS=num_warps):
+                    with mock.patch.multiple(residual_mix_kernel, CHUNK=chunk, WIDE_CHUNK=chunk, NUM_WARPS=num_warps):
                         paths[f"fused, chunk {chunk}, {num_warps} warps"] = timed(function, fused=True)
                 for path, us in paths.items():
                     results.append(dict(batch=batch, tokens=tokens, mix=name, path=path, us=us))
@@ -103,17 +103,19 @@ def compare(steps: list[tuple[int, int]], chunks: list[int], warps: list[int], f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--chunks", type=int, nargs="+", default=[], help="other CHUNK values for the kernels")
-    parser.add_argument("--warps", type=int, nargs="+", default=[], help="other NUM_WARPS values for them")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[], help="also time the kernels at these chunks")
+    parser.add_argument("--warps", type=int, nargs="+", default=[], help="and these warp counts")
     parser.add_argument("--fused-only", action="store_true", help="leave the reference out (to compare kernels)")
     parser.add_argument("--batches", type=int, nargs="+", help="one-token steps at these batch sizes only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/residual_mix.py needs a CUDA GPU")
-    chunks = args.chunks or [residual_mix_kernel.CHUNK]
-    warps = args.warps or [residual_mix_kernel.NUM_WARPS]
+    settings = []
+    if args.chunks or args.warps:
+        chunks, warps = args.chunks or [residual_mix_kernel.CHUNK], args.warps or [residual_mix_kernel.NUM_WARPS]
+        settings = list(itertools.product(chunks, warps))
     steps = [(batch, 1) for batch in args.batches] if args.batches else STEPS
-    results = compare(steps, chunks, warps, args.fused_only)
+    results = compare(steps, settings, args.fused_only)
     table = markdown_table(["batch", "tokens", "mix", "path", "us per call"],
                            [[r["batch"], r["tokens"], r["mix"], r["path"], f"{r['us']:.1f}"] for r in results])
     command = " ".join(["python3 benchmarks/residual_mix.py", *sys.argv[1:]])

@@ -307,34 +307,44 @@ def residual_mix_calls() -> None:
     a sliding layer's attention (one query) with the fewest and the most completed blocks, before a full layer's
     (three queries) for one token and a DSpark verification step of 8; before the MoE with the post-attention
     convolution over the ring (one token with and without a padding mask, the partial block continued or restarted;
-    8 tokens), and with the convolution's output given."""
-    from transformers_inkling2.backends.residual_mix_kernel import residual_mix, residual_mix_after_sublayer
+    8 tokens), and with the convolution's output given; and at a batch large enough for the wider chunk
+    (`WIDE_FROM_ROWS`), before both sublayers."""
+    from transformers_inkling2.backends.residual_mix_kernel import (
+        WIDE_FROM_ROWS,
+        residual_mix,
+        residual_mix_after_sublayer,
+    )
 
     hidden, kernel_size = MODEL.hidden_size, MODEL.conv_kernel_size
     most_blocks = MODEL.num_hidden_layers // MODEL.n_layers_per_attn_res_block
     norms = [torch.empty(hidden, dtype=torch.bfloat16) for _ in range(3)]
+    wide = WIDE_FROM_ROWS
 
-    def stream(tokens: int, blocks: int) -> tuple:
-        return torch.empty(1, tokens, hidden), torch.empty(1, tokens, blocks, hidden)
+    def stream(batch: int, tokens: int, blocks: int) -> tuple:
+        return torch.empty(batch, tokens, hidden), torch.empty(batch, tokens, blocks, hidden)
 
-    for tokens, blocks, queries in ((1, 1, 1), (1, most_blocks, 1), (1, most_blocks, 3), (8, most_blocks, 3)):
+    mixes = ((1, 1, 1, 1), (1, 1, most_blocks, 1), (1, 1, most_blocks, 3), (1, 8, most_blocks, 3),
+             (wide, 1, most_blocks, 1), (wide, 1, most_blocks, 3))  # (batch, tokens, blocks, queries)
+    for batch, tokens, blocks, queries in mixes:
         for opens_block in (False, True):  # a layer that opens a block also stores the stack
-            residual_mix(*stream(tokens, blocks), torch.empty(queries, hidden), norms[:queries], MODEL.rms_norm_eps,
-                         torch.bfloat16, opens_block)  # fmt: skip
+            residual_mix(*stream(batch, tokens, blocks), torch.empty(queries, hidden), norms[:queries],
+                         MODEL.rms_norm_eps, torch.bfloat16, opens_block)  # fmt: skip
     history = kernel_size - 1
-    for tokens, mask, continued, convolved in ((1, False, True, True), (1, True, True, True), (1, False, False, True),
-                                               (8, True, True, True), (1, False, True, False)):  # fmt: skip
-        partial, blocks = stream(tokens, most_blocks)
-        output = torch.empty(1, tokens, hidden, dtype=torch.bfloat16)
+    after_sublayer = ((1, 1, False, True, True), (1, 1, True, True, True), (1, 1, False, False, True),
+                      (1, 8, True, True, True), (1, 1, False, True, False), (wide, 1, True, True, True))
+    for batch, tokens, mask, continued, convolved in after_sublayer:  # (batch, tokens, mask, continued, convolved)
+        partial, blocks = stream(batch, tokens, most_blocks)
+        output = torch.empty(batch, tokens, hidden, dtype=torch.bfloat16)
         ring = (
-            (torch.empty(1, hidden, history + 8), torch.empty(history, dtype=torch.int64),
+            (torch.empty(batch, hidden, history + 8), torch.empty(history, dtype=torch.int64),
              torch.empty(history, dtype=torch.bool), torch.empty(tokens, dtype=torch.int64),
              torch.empty(hidden, kernel_size))
             if convolved else (None,) * 5
         )  # fmt: skip
         residual_mix_after_sublayer(
-            partial if continued else None, output, torch.ones(1, tokens, dtype=torch.bool) if mask else None, *ring,
-            math.sqrt(kernel_size + 1), blocks, torch.empty(1, hidden), norms[:1], MODEL.rms_norm_eps, torch.bfloat16,
+            partial if continued else None, output,
+            torch.ones(batch, tokens, dtype=torch.bool) if mask else None, *ring, math.sqrt(kernel_size + 1), blocks,
+            torch.empty(1, hidden), norms[:1], MODEL.rms_norm_eps, torch.bfloat16,
         )  # fmt: skip
 
 

@@ -7,13 +7,13 @@ norm after it needs the mix's sum of squares: two reductions over the whole widt
 known. A program per token walking the width (the first version of this kernel) leaves all but one SM idle and took
 16 to 92 us a mix on an H200, more than inductor's reductions below batch 64 (docs/benchmarks.md); here both
 reductions come from one set of sums, so the width splits over programs with one launch boundary between them:
-1. `_mix_statistics_kernel`, a program per batch row, chunk of `CHUNK` channels and token of the step: the partial
-   block (as given, or with a sublayer's output added: the post-attention convolution computed here over the static
-   cache's ring, `convolution_kernel._step_sum`, for all of the step's tokens in every token's program since a token's
-   reads the earlier ones, rounded to the output's dtype as the module returns it; token 0's program writes the step's
-   inputs into the ring and the new partial block in fp32), then the token's Gram matrix of the stack over the chunk,
-   G[i, j] = s_i . s_j, and every query's dot product with each entry (one row reduction per entry), stored per
-   chunk.
+1. `_mix_statistics_kernel`, a program per batch row, chunk of channels (`CHUNK`; `WIDE_CHUNK` from `WIDE_FROM_ROWS`
+   rows of batch x tokens) and token of the step: the partial block (as given, or with a sublayer's output added: the
+   post-attention convolution computed here over the static cache's ring, `convolution_kernel._step_sum`, for all of
+   the step's tokens in every token's program since a token's reads the earlier ones, rounded to the output's dtype
+   as the module returns it; token 0's program writes the step's inputs into the ring and the new partial block in
+   fp32), then the token's Gram matrix of the stack over the chunk, G[i, j] = s_i . s_j, and every query's dot product
+   with each entry (one row reduction per entry), stored per chunk.
 2. `_mix_kernel`, the same grid: each program adds the chunks' sums up (every program of a row in the same order, so
    to the same numbers), scales the partial block's row and column of G by its RMS scale, takes each query's softmax
    over the stack and the mix's sum of squares as w^T G w, then writes its channels of each mix, RMS-normalized,
@@ -38,9 +38,10 @@ from .convolution_kernel import _step_sum
 from .dependent_launch import dependent_launch
 from .dependent_launch_kernel import release_successor, wait_for_predecessor
 
-# Channels per program: hidden 4,608 in 18 chunks, 18 programs per batch row. On an H200 the fastest or within 1 us of
-# 128 and 512 at batch 1 and 8; 512 is 3-7 us faster at batch 64 (`benchmarks/residual_mix.py --chunks`).
-CHUNK = 256
+# Channels per program: hidden 4,608 in 18 chunks. On an H200 the fastest or within 1 us of 128 and 512 at batch 1 and
+# 8; from 24 rows (batch x tokens) 512 is faster, by 1-7 us a mix on an H100 at 24-64 (at 16 within 1 us either way;
+# `benchmarks/residual_mix.py --chunks 256 512 --batches ...`, docs/benchmarks.md).
+CHUNK, WIDE_CHUNK, WIDE_FROM_ROWS = 256, 512, 24
 NUM_WARPS = 4
 BLOCK_EPS = tl.constexpr(1e-6)  # `with_block`'s RMS norm of the partial block (a constexpr: the kernel reads it)
 NO_ADDEND, GIVEN_ADDEND, CONVOLVED_ADDEND = 0, 1, 2
@@ -205,7 +206,7 @@ def _launch(partial, addend, token_mask, ring, step_slots, conv_weight, divisor,
     if mode != NO_ADDEND and count != 1:
         raise ValueError(f"A sublayer's output joins the partial block before one query's mix, got {count} queries.")
     block_m = triton.next_power_of_2(num_blocks + 1 + count)  # the stack's entries, then the queries
-    block_c = min(triton.next_power_of_2(hidden), CHUNK)
+    block_c = min(triton.next_power_of_2(hidden), WIDE_CHUNK if batch * length >= WIDE_FROM_ROWS else CHUNK)
     chunks = triton.cdiv(hidden, block_c)
     out = like.new_empty((count, batch, length, hidden), dtype=dtype)
     new_partial = like.new_empty((batch, length, hidden) if addend is not None else (0,), dtype=torch.float32)

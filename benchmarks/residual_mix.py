@@ -6,9 +6,10 @@ mix and norm before attention (one query), a full layer's (three), and the mix b
 convolution over the static cache's ring, each over 8 completed blocks (the most a mix of the model reads); and the
 layer's end, the post-MLP step convolution with the partial block added in its epilogue. One token at batch 1, 8 and 64,
 and an 8-token verification step at batch 1 (`--batches`: one-token steps at the batch sizes given instead). Each
-variant is captured 20 times in one CUDA graph and replayed, as a decode step's graph replays it: us per call. The fused kernels run at their defaults, and with `--chunks` / `--warps`
-also at each chunk and warp count given (`residual_mix_kernel.CHUNK` and `WIDE_CHUNK` both set to the chunk, so one
-chunk at every batch; `NUM_WARPS`; each pair compiles its own kernels).
+variant is captured 20 times in one CUDA graph and replayed, as a decode step's graph replays it: us per call. The
+fused kernels run at their defaults, and with `--chunks` / `--warps` also at each chunk and warp count given
+(`residual_mix_kernel.CHUNK` and `WIDE_CHUNK` both set to the chunk, so one chunk at every batch; `NUM_WARPS`; each
+pair compiles its own kernels).
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site

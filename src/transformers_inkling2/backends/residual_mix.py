@@ -14,8 +14,8 @@ well. And at the layer's end, registered as
 (`convolution_kernel.step_convolution`'s residual), where the reference adds and rounds in launches of their own.
 
 It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps, compiled or not) on CUDA
-tensors (or under Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package defines them, without hooks; everything else
-gets None, and the model runs the reference.
+tensors (or under Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package
+defines them, without hooks; everything else gets None, and the model runs the reference.
 
 On by default since 2026-12-05: its GPU tests passed on an H200, and with the full layers' fused key/value step it
 took a 6-layer slice's uncompiled decode step (what plain `generate()`'s CUDA graphs replay) from 517 launches to 215

@@ -102,8 +102,8 @@ def _mix_statistics_kernel(
                 history_slots_ptr, history_held_ptr, write_slots_ptr, chan_ok[None, :], divisor, TOKENS, KERNEL_SIZE,
                 HAS_MASK, BLOCK_T)
             partials = partials + convolved.to(addend_ptr.dtype.element_ty).to(tl.float32)
-            # other tokens' programs read the ring's history meanwhile: the write slots are others (the ring holds
-            # k - 1 + MAX_STEP_TOKENS inputs), so no race
+            # other tokens' programs read the ring's history meanwhile: no race, the kernel runs only on steps whose
+            # tokens and history fit the ring together (`StepSlots.reads_ring`), so the write slots are others
             tl.store(ring_rows + write[:, None] * stride_rs, ring_inputs, mask=ok & (t == 0))
         tl.store(new_partial_ptr + (b * TOKENS + tokens[:, None]) * hidden + chans[None, :], partials,
                  mask=ok & (t == 0))

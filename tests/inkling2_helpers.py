@@ -425,12 +425,13 @@ class CountedLaunches:
         setattr(self.module, self.name, self.kernel)
 
 
-def compiled_step_launches(switches: dict[str, str], kernels: list[tuple], steps: int = 3) -> dict:
-    """bf16 one-token decode steps of a tiny model through the decode-step runner's compiled step (`fullgraph=True`,
-    backend "eager", recompiles an error) with the environment `switches` set, against the same steps run eagerly:
-    the largest relative difference of the logits ("difference"), and for each (module, Triton kernel, launch option)
-    of `kernels` the compiled steps' launches of the kernel by that option's value ("launches", in order). A fused
-    path must trace whole for the compiled steps to take it."""
+def compiled_step_launches(switches: dict[str, str], kernels: list[tuple], step_sizes: tuple = (1, 1, 1)) -> dict:
+    """bf16 decode steps (of `step_sizes` tokens: 1, or a verification step's several) of a tiny model through the
+    decode-step runner's compiled step (`fullgraph=True`, backend "eager", recompiles an error) with the environment
+    `switches` set, against the same steps run eagerly: the largest relative difference of the logits
+    ("difference"), and for each (module, Triton kernel, launch option) of `kernels` the compiled steps' launches of
+    the kernel by that option's value ("launches", in order). A fused path must trace whole for the compiled steps to
+    take it. Steps of one size only: a step of another size would recompile."""
     import torch._dynamo
     from transformers import CompileConfig
 
@@ -440,14 +441,14 @@ def compiled_step_launches(switches: dict[str, str], kernels: list[tuple], steps
     input_ids, attention_mask = left_padded_batch(seed=6)
     with mock.patch.dict(os.environ, switches), contextlib.ExitStack() as stack:
         cache = Inkling2StaticCache(model.config, max_cache_len=64)
-        expected = run_steps(model, cache, input_ids, attention_mask, [1] * steps)
+        expected = run_steps(model, cache, input_ids, attention_mask, step_sizes)
         torch._dynamo.reset()
         compile_config = CompileConfig(backend="eager", fullgraph=True)
         runner = Inkling2DecodeGraphs(model, use_cuda_graphs=False, min_bucket=64, compile_config=compile_config)
         cache = Inkling2StaticCache(model.config, max_cache_len=64)
         stack.enter_context(torch._dynamo.config.patch(error_on_recompile=True))
         launches = [stack.enter_context(CountedLaunches(*kernel)) for kernel in kernels]
-        actual = run_steps(model, cache, input_ids, attention_mask, [1] * steps, forward=runner)
+        actual = run_steps(model, cache, input_ids, attention_mask, step_sizes, forward=runner)
     return dict(difference=max(relative_differences(actual, expected)), launches=launches)
 
 

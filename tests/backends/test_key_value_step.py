@@ -193,7 +193,7 @@ def compiled_steps_with_both_fused_steps() -> dict:
 
     kernels = [(key_value_kernel, "_key_value_step_kernel", "HEAD_DIM"), (decode_kernel, "_decode_partial_kernel",
                                                                           "PREPARE")]  # fmt: skip
-    results = compiled_step_launches({step.ENV: "1", key_value_step.ENV: "1"}, kernels, steps=4)
+    results = compiled_step_launches({step.ENV: "1", key_value_step.ENV: "1"}, kernels, step_sizes=(1,) * 4)
     key_value, attention = results["launches"]
     return dict(difference=results["difference"], key_value_launches=sum(key_value.values()),
                 attention_launches=attention)  # fmt: skip

@@ -209,25 +209,30 @@ def test_model_steps_with_the_fused_mixes_equal_the_reference_steps():
 
 def compiled_steps_with_the_fused_mixes() -> dict:
     """The decode-step runner's compiled steps with the fused mixes switched on, against the same steps run eagerly
-    (`compiled_step_launches`): the launches of the mix's first kernel by its mode (0: before attention and the
-    readout; 2: after attention, convolving over the ring), and the step convolution's by whether it adds a residual
-    (the layers' ends)."""
+    (`compiled_step_launches`), two one-token decode steps and, compiled afresh, two verification steps of
+    `MAX_STEP_TOKENS`: the launches of the mix's first kernel by its mode (0: before attention and the readout; 2:
+    after attention, convolving over the ring), and the step convolution's by whether it adds a residual (the layers'
+    ends)."""
     from transformers_inkling2.backends import convolution_kernel, residual_mix_kernel
 
     kernels = [(residual_mix_kernel, "_mix_statistics_kernel", "ADDEND"),
                (convolution_kernel, "_step_convolution_kernel", "HAS_RESIDUAL")]  # fmt: skip
-    results = compiled_step_launches({residual_mix.ENV: "1"}, kernels)
-    launches, ends = results["launches"]
-    return dict(difference=results["difference"], launches=launches, ends=ends)
+    results = {}
+    for name, step_sizes in (("decode", (1,) * 2), ("verification", (MAX_STEP_TOKENS,) * 2)):
+        compiled = compiled_step_launches({residual_mix.ENV: "1"}, kernels, step_sizes)
+        launches, ends = compiled["launches"]
+        results[name] = dict(difference=compiled["difference"], launches=launches, ends=ends, steps=len(step_sizes))
+    return results
 
 
 @needs_triton
-def test_compiled_decode_steps_take_the_fused_mixes_whole():
+def test_compiled_decode_and_verification_steps_take_the_fused_mixes_whole():
     results = call_under_triton_interpreter(compiled_steps_with_the_fused_mixes)
-    # three one-token steps (the prompt runs eagerly), each with 12 mixes of each kind and 12 layer ends
-    assert results["launches"] == {"0": 12 * 3, "2": 12 * 3}
-    assert results["ends"] == {"True": 12 * 3}
-    assert results["difference"] == 0  # the same kernels as the eager steps, in the same order
+    for result in results.values():  # the prompt runs eagerly; each step has 12 mixes of each kind and 12 layer ends
+        steps = result["steps"]
+        assert result["launches"] == {"0": 12 * steps, "2": 12 * steps}, result
+        assert result["ends"] == {"True": 12 * steps}, result
+        assert result["difference"] == 0, result  # the same kernels as the eager steps, in the same order
 
 
 @pytest.mark.parametrize(

@@ -332,7 +332,7 @@ def residual_mix_calls() -> None:
     history = kernel_size - 1
     after_sublayer = ((1, 1, False, True, True), (1, 1, True, True, True), (1, 1, False, False, True),
                       (1, 8, True, True, True), (1, 1, False, True, False), (wide, 1, True, True, True))
-    for batch, tokens, mask, continued, convolved in after_sublayer:  # (batch, tokens, mask, continued, convolved)
+    for batch, tokens, mask, continued, convolved in after_sublayer:
         partial, blocks = stream(batch, tokens, most_blocks)
         output = torch.empty(batch, tokens, hidden, dtype=torch.bfloat16)
         ring = (

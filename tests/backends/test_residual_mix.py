@@ -53,6 +53,7 @@ PROMPT, STEP_TOKENS = 11, (1, 3, 8, 2, 1)
 # layer 1: sliding, one query; layer 5: full, three queries (q / k / v inputs); layer 6: opens a block
 LAYERS = (1, 5, 6)
 WIDE = dict(hidden_size=320)  # the chunks narrowed (`narrow_chunks`): of 128 and 256 channels, the last partly masked
+WIDE_FROM_ROWS = 6  # the kernel's wider chunk from here: the 3- and 8-token steps of two rows take it, the others not
 
 
 def random_layer(index: int, fields: dict, dtype, device, seed: int) -> Inkling2DecoderLayer:
@@ -141,19 +142,19 @@ def layer_comparison(dtype=torch.float32, device="cpu", fields=None, seed=0) -> 
 
 
 def narrow_chunks():
-    """The kernel's chunks of 128 channels, and of 256 from 6 rows: at width 320 three programs per token in the 1- and
-    2-token steps of two rows, two in the 3- and 8-token ones (one at the tiny width)."""
+    """The kernel's chunks of 128 channels, and of 256 from `WIDE_FROM_ROWS` rows: at width 320 three programs per
+    token in the 1- and 2-token steps of two rows, two in the 3- and 8-token ones (one at the tiny width)."""
     from transformers_inkling2.backends import residual_mix_kernel
 
-    return mock.patch.multiple(residual_mix_kernel, CHUNK=128, WIDE_CHUNK=256, WIDE_FROM_ROWS=6)
+    return mock.patch.multiple(residual_mix_kernel, CHUNK=128, WIDE_CHUNK=256, WIDE_FROM_ROWS=WIDE_FROM_ROWS)
 
 
-def wide_chunks_from_six_rows():
-    """The kernel's wider chunk from 6 rows, so that the 3- and 8-token steps of two rows take it (9 chunks of 512 at
-    hidden 4608) and the others the usual one (18 of 256)."""
+def wide_chunks_early():
+    """The kernel's wider chunk from `WIDE_FROM_ROWS` rows, so that the 3- and 8-token steps of two rows take it (9
+    chunks of 512 at hidden 4608) and the others the usual one (18 of 256)."""
     from transformers_inkling2.backends import residual_mix_kernel
 
-    return mock.patch.object(residual_mix_kernel, "WIDE_FROM_ROWS", 6)
+    return mock.patch.object(residual_mix_kernel, "WIDE_FROM_ROWS", WIDE_FROM_ROWS)
 
 
 def interpreter_layer_comparisons() -> dict:
@@ -363,7 +364,7 @@ FULL_WIDTH = dict(hidden_size=4608, num_attention_heads=48, num_key_value_heads=
 def test_gpu_fused_mixes_full_width(dtype):
     """Hidden 4608 (18 chunks, or 9 of the wider chunk), against the reference on the GPU: fp32 within 1e-5, bf16
     within two ulps."""
-    with wide_chunks_from_six_rows():
+    with wide_chunks_early():
         results = layer_comparison(dtype, device="cuda", fields=FULL_WIDTH, seed=5)
     assert_layers_agree(results, FP32_BOUND if dtype == torch.float32 else BF16_BOUND, str(dtype))
 

@@ -9,9 +9,9 @@ graph, docs/kernels.md; three or four reductions in a step compiled by inductor)
 and its norms in two launches split over the width (the stack's per-chunk sums, then the mix). After attention it also
 adds the attention's output to the partial block first, and where the step runs over the static cache's ring it
 computes that output's short convolution too (`post_attention_convolution`), so the convolution's launch goes as
-well. And at the layer's end, registered as
-`"residual_step_convolution"`, the post-MLP step convolution adds the partial block to its output in its epilogue
-(`convolution_kernel.step_convolution`'s residual), where the reference adds and rounds in launches of their own.
+well. And at the layer's end, registered as `"residual_step_convolution"`, the post-MLP step convolution adds the
+partial block to its output in its epilogue (`convolution_kernel.step_convolution`'s residual), where the reference
+adds and rounds in launches of their own.
 
 It takes the calls of at most `MAX_STEP_TOKENS` tokens (decode and verification steps, compiled or not) on CUDA
 tensors (or under Triton's interpreter) without gradients, with the mix, norm and convolution modules as this package

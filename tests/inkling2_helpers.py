@@ -364,13 +364,14 @@ def set_environment(monkeypatch, values: dict) -> None:
             monkeypatch.setenv(name, value)
 
 
-def switched_step_differences(switches: list[str], kernels: list[tuple], device: str = "cpu") -> dict:
+def switched_step_differences(switches: list[str], kernels: list[tuple], device: str = "cpu",
+                              dtype=torch.float32) -> dict:  # fmt: skip
     """A tiny model's prefill and decode / verification steps (`STEPS[:6]`: 1, 3, 1, 8, 1, 1 tokens, across the
     window of 8, taking 3 tokens back after the 8, as a rejected draft does) over the static cache with the
     environment `switches` set to "1", then to "0": the largest relative difference of any forward's logits, the
     prefill's, and how many calls the `kernels` ((module, function name) pairs: the fused kernels' entry points,
     counted by wrapping them) took while switched on: in all, and by name."""
-    model = build_pair(seed=3)[0].to(device)
+    model = build_pair(seed=3, dtype=dtype)[0].to(device)
     input_ids, attention_mask = (t.to(device) for t in left_padded_batch(seed=4))
     calls, originals = collections.Counter(), {(module, name): getattr(module, name) for module, name in kernels}
 

@@ -103,6 +103,7 @@ def _register_fast_paths() -> None:
     KERNELS.register("prompt_convolution", f"{_PACKAGE}.backends.convolution:fused_prompt_convolution")
     KERNELS.register("step_convolution", f"{_PACKAGE}.backends.convolution:fused_step_convolution")
     KERNELS.register("routed_experts", f"{_PACKAGE}.backends.kernel_loading:routed_experts")
+    KERNELS.register("routed_expert_terms", f"{_PACKAGE}.backends.kernel_loading:routed_expert_terms")
     KERNELS.register("input_projections", f"{_PACKAGE}.backends.projections:input_projections")
     KERNELS.register("top_k_routing", f"{_PACKAGE}.backends.routing:top_k_routing")
     KERNELS.register("relative_logits_layout", f"{_PACKAGE}.backends.attention.relative_logits:aligned_product")

@@ -230,29 +230,53 @@ def run_steps_both_ways(channels, kernel_size, dtype, seed, step_kernel, device=
     return results
 
 
+def step_convolution_via_terms(x, mask, ring, history_slots, history_held, write_slots, weight, divisor, routes=4,
+                               parts=3):
+    """`step_convolution_of_terms` with terms whose sum is x: per token, x in one live term (a random route and part)
+    and zeros in the others, and NaN in a route to a dropped id, which the kernel must skip. A `run_steps_both_ways`
+    step kernel."""
+    generator = torch.Generator().manual_seed(x.shape[1])
+    rows, channels = x.shape[0] * x.shape[1], x.shape[2]
+    experts = 2 * routes
+    ids = torch.randint(0, experts, (rows, routes), generator=generator)
+    ids[0, 0] = experts  # dropped
+    terms = torch.zeros(parts, rows, routes, channels)
+    terms[:, 0, 0] = float("nan")
+    for row, (route, part) in enumerate(zip(torch.randint(1, routes, (rows,), generator=generator).tolist(),
+                                            torch.randint(0, parts, (rows,), generator=generator).tolist())):
+        terms[part, row, route] = x.reshape(rows, channels)[row].float()
+    terms, ids = terms.to(x.device), ids.to(x.device)
+    from transformers_inkling2.backends.convolution_kernel import step_convolution_of_terms
+
+    return step_convolution_of_terms(terms, ids, experts, mask, ring, history_slots, history_held, write_slots, weight,
+                                     divisor, None, x)  # fmt: skip
+
+
 _STEP_INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
-from test_convolution import run_steps_both_ways
+from test_convolution import run_steps_both_ways, step_convolution_via_terms
 from transformers_inkling2.backends.convolution_kernel import BLOCK_C, step_convolution
 
 results = {}
 for seed, (channels, k, dtype) in enumerate([(48, 4, torch.float32), (300, 2, torch.bfloat16), (40, 3, torch.float32)]):
     assert channels < BLOCK_C or channels % BLOCK_C  # a partial channel tile
-    results[f"{channels} channels, k={k}, {dtype}"] = run_steps_both_ways(channels, k, dtype, seed, step_convolution)
+    for name, kernel in (("x", step_convolution), ("terms", step_convolution_via_terms)):
+        results[f"{channels} channels, k={k}, {dtype}, {name}"] = run_steps_both_ways(channels, k, dtype, seed, kernel)
 print(json.dumps(results))
 """
 
 
 @needs_triton
 def test_step_kernel_under_the_triton_interpreter_equals_the_module_and_keeps_the_ring():
-    """Steps of 1-8 tokens after a prompt, padding in some, k = 2..4, fp32 and bf16: each step's output within
-    tolerance of the module's reference path, and the ring it wrote equal to the reference's."""
+    """Steps of 1-8 tokens after a prompt, padding in some, k = 2..4, fp32 and bf16, the step's input given as it
+    is or as the experts' terms: each step's output within tolerance of the module's reference path, and the ring it
+    wrote equal to the reference's."""
     here = Path(__file__).parent
     results = run_under_triton_interpreter(_STEP_INTERPRETER_SCRIPT, str(here.parent), str(here))
-    assert len(results) == 3 and all(ok and same for steps in results.values() for _, ok, same in steps), results
+    assert len(results) == 6 and all(ok and same for steps in results.values() for _, ok, same in steps), results
     assert all([length for length, *_ in steps] == [1, 3, 1, 8, 2] for steps in results.values())
 
 
@@ -281,4 +305,44 @@ def test_gpu_step_kernel_full_width(dtype):
 
     with torch.no_grad():
         results = run_steps_both_ways(4608, 4, dtype, 5, step_convolution, device="cuda")
-    assert len(results) == 5 and all(ok and same for _, ok, same in results), results
+        via_terms = run_steps_both_ways(4608, 4, dtype, 5, step_convolution_via_terms, device="cuda")
+    assert len(results) == 5 and all(ok and same for _, ok, same in results + via_terms), (results, via_terms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,parts", [(1, 1), (1, 3), (8, 1)])
+def test_gpu_layer_end_of_terms_is_the_layer_end_of_their_sum(tokens, parts):
+    """Two steps of a layer's end from random experts' terms (two rows, top-8, a dropped route, hidden 4,608, bf16)
+    against the end of their sum made as the experts' combine makes it (`moe_forward`'s order; the hub kernel's tests
+    hold the combine to that sum bit for bit), each over its own static cache: outputs and rings bit for bit."""
+    from transformers_inkling2 import Inkling2TextConfig
+    from transformers_inkling2.backends.convolution_kernel import step_convolution, step_convolution_of_terms
+    from transformers_inkling2.cache.static import Inkling2StaticCache
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens * 10 + parts)
+    channels, kernel_size, routes, experts, rows = 4608, 4, 8, 384, 2 * tokens
+    weight = torch.randn(channels, kernel_size, device="cuda", generator=generator)
+    config = Inkling2TextConfig(conv_kernel_size=kernel_size)
+    caches = [Inkling2StaticCache(config, max_cache_len=64) for _ in range(2)]
+    for first in (0, tokens):  # the second step convolves over the first one's inputs
+        terms = torch.randn(parts, rows, routes, channels, device="cuda", generator=generator)
+        ids = torch.randint(0, experts, (rows, routes), device="cuda", generator=generator)
+        ids[1, 3] = -1  # dropped
+        total = torch.zeros(rows, channels, device="cuda")
+        for route in range(routes):
+            for part in range(parts):
+                total = total + torch.where((ids[:, route] >= 0)[:, None], terms[part, :, route], 0.0)
+        x = total.to(torch.bfloat16).view(2, tokens, channels)
+        residual = torch.randn(2, tokens, channels, device="cuda", generator=generator)
+        positions = torch.arange(first, first + tokens, device="cuda")
+        ends = []
+        for cache in caches:
+            ring, step = cache.step_convolution_ring(0, 0, x.new_empty(2, channels, 0, dtype=torch.float32),
+                                                     kernel_size, positions)  # fmt: skip
+            convolved = (ring, step.history_slots, step.history_held, step.conv_write, weight, kernel_size**0.5)
+            if cache is caches[0]:
+                ends.append(step_convolution(x, None, *convolved, residual))
+            else:
+                ends.append(step_convolution_of_terms(terms, ids, experts, None, *convolved, residual, x))
+        assert torch.equal(ends[0], ends[1])
+    assert torch.equal(*(cache.layers[0].conv_inputs[0] for cache in caches))

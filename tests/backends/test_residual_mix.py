@@ -57,9 +57,11 @@ WIDE_FROM_ROWS = 6  # the kernel's wider chunk from here: the 3- and 8-token ste
 
 
 def random_layer(index: int, fields: dict, dtype, device, seed: int) -> Inkling2DecoderLayer:
-    """Decoder layer `index` of a config with `fields`, every parameter random (queries, norms, convolutions)."""
+    """Decoder layer `index` of a config with `fields`, every parameter random (queries, norms, convolutions), whose
+    MoE returns its input: `layer_output` is handed the MoE's output itself."""
     config = Inkling2TextConfig(**{**ORACLE_TEXT_CONFIG, **fields})
     layer = randomize_(Inkling2DecoderLayer(config, index), seed)
+    layer.mlp.forward = lambda x, summed=True: x
     with torch.no_grad():  # convolution taps of the size the model's are trained to (so that they matter)
         for convolution in (layer.post_attention_convolution, layer.post_mlp_convolution):
             convolution.conv1d.weight.mul_(5)
@@ -377,6 +379,19 @@ def test_gpu_model_steps_with_the_fused_mixes_equal_the_reference_steps():
     assert results["calls_by_kernel"] == dict.fromkeys(MODEL_KERNELS, 12 * 6)
     assert results["prefill"] == 0
     assert results["difference"] <= 1e-4  # fp32 on a GPU: the other kernels' sums in another order
+
+
+@pytest.mark.gpu
+def test_gpu_layer_ends_adding_the_experts_terms_equal_the_experts_own_sum():
+    """In bf16, where the experts take the hub kernel: every decode and verification step's layer ends add the
+    experts' terms themselves (`INKLING2_FUSED_EXPERT_SUM`, on by default) and give the logits of the kernel's own sum
+    bit for bit; the prefill keeps the kernel's sum."""
+    from transformers_inkling2.backends import convolution_kernel, kernel_loading
+
+    kernels = [(convolution_kernel, "step_convolution_of_terms")]
+    results = switched_step_differences([kernel_loading.TERMS_ENV], kernels, "cuda", torch.bfloat16)
+    assert results["calls_by_kernel"] == {"step_convolution_of_terms": 12 * 6}
+    assert results["difference"] == 0 and results["prefill"] == 0
 
 
 @pytest.mark.gpu

@@ -193,6 +193,22 @@ def test_moe_forward_reference_matches_naive_oracle(km, fmt):
     assert torch.equal(km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w)), out)
 
 
+def test_moe_forward_without_the_combine_returns_its_terms(km):
+    gen = torch.Generator().manual_seed(7)
+    w = quantized_weights("nvfp4", 6, 64, 32, gen)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    ids, rw = realistic_routing(5, 6, 3, gen)
+    ids[1, 2] = 9  # dropped
+    rows = km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w), combine=False)
+    assert rows.shape == (1, 5, 3, 64) and rows.dtype == torch.float32
+    assert km.slot_output_parts(x, ids, w["w13"], w["w2"], "nvfp4") == 1  # the reference path: one part
+    assert torch.count_nonzero(rows[0, 1, 2]) == 0 and torch.count_nonzero(rows[0, 1, 1]) > 0
+    total = rows[0, :, 0] + rows[0, :, 1] + rows[0, :, 2]  # slot order, as the sum
+    assert torch.equal(total.bfloat16(), km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w)))
+    with pytest.raises(ValueError, match="combine=False"):
+        km.moe_forward(x, ids, rw, w["w13"], w["w2"], "nvfp4", **kwargs_of(w), combine=False, out=torch.empty_like(x))
+
+
 def test_moe_forward_reference_is_deterministic(km):
     gen = torch.Generator().manual_seed(5)
     w = random_byte_weights("nvfp4", 6, 64, 32, gen)
@@ -335,6 +351,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
                                           w.get("w2_scale"), w.get("w13_outer"), w.get("w2_outer"), 4.0, 25.0,
                                           None, cfg, poison)
             results[f"moe {fmt} {cfg}"] = t.rel_err(out, ref)
+            # without the combine: the slots' rows, which added in its order give its output bit for bit
+            rows = ops._moe_forward_triton(x, ids, rw, w["w13"], w["w2"], fmt, w.get("w13_scale"),
+                                           w.get("w2_scale"), w.get("w13_outer"), w.get("w2_outer"), 4.0, 25.0,
+                                           None, cfg, combine=False)
+            total = torch.zeros(11, 128)
+            for j in range(ids.shape[1]):
+                routed = ((ids[:, j] >= 0) & (ids[:, j] < 8))[:, None]
+                for part in range(rows.shape[0]):
+                    total = total + torch.where(routed, rows[part, :, j], 0.0)
+            results[f"rows {fmt} {cfg}"] = (trunc_bf16(total) - out.float()).abs().max().item()
     print(json.dumps(results))
     """
 )
@@ -346,6 +372,8 @@ def test_triton_kernels_under_interpreter():
     for name, value in results.items():
         if name.startswith("route"):
             assert value is True, name
+        elif name.startswith("rows"):
+            assert value == 0.0, (name, value)
         else:
             assert value < 1e-4, (name, value)
 
@@ -385,6 +413,29 @@ def gpu_oracle(x, ids, rw, w, fmt):
 
 
 GPU_CASES = [(fmt, tokens) for fmt in ("nvfp4", "mxfp8", "bf16") for tokens in (1, 4, 8, 64, 2048, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,tokens", [("nvfp4", 1), ("mxfp8", 8), ("bf16", 4)])
+@pytest.mark.parametrize("experts,top_k", [(FULL["num_experts"], FULL["top_k"]), (FULL["num_experts"] // 4, 2)])
+def test_gpu_terms_without_the_combine_add_up_to_its_output(km, fmt, tokens, experts, top_k):
+    """`combine=False` at full size, and where one GPU of EP4 routes a token to 2 of its 96 experts (a sparse grid:
+    the register kernels split their reductions, so the down GEMM returns several parts): the rows added in slot
+    order, each slot's parts in order, are the combined output bit for bit."""
+    w = {name: tensor[:experts] for name, tensor in full_size_weights(fmt).items()}
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, FULL["hidden"], generator=gen, device="cuda").bfloat16()
+    ids, rw = realistic_routing(tokens, experts, top_k, gen, device="cuda")
+    out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w))
+    rows = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), combine=False)
+    assert rows.shape[0] == km.slot_output_parts(x, ids, w["w13"], w["w2"], fmt)
+    total = torch.zeros(tokens, FULL["hidden"], device="cuda")
+    for slot in range(top_k):
+        for part in range(rows.shape[0]):
+            total = total + rows[part, :, slot]
+    assert torch.equal(total.bfloat16(), out)
+    if (fmt, tokens, top_k) == ("nvfp4", 1, 2):
+        assert rows.shape[0] > 1  # the case this test is for
 
 
 @pytest.mark.gpu

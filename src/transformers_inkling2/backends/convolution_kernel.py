@@ -138,21 +138,47 @@ def _step_sum(x_rows, stride_xt, mask_row, stride_mt, ring_rows, stride_rs, taps
 
 
 @triton.jit
+def _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, rows, channels, num_experts, TOKENS: tl.constexpr,
+                  ROUTES: tl.constexpr, PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x[b, t, chans] (x contiguous [batch, TOKENS, C]) = the terms of token n = b * TOKENS + t (terms [PARTS, rows,
+    ROUTES, C] fp32, ids [rows, ROUTES]) added in route order, each route's parts in order, skipping routes to ids
+    outside [0, num_experts), and rounded to x's dtype: the experts' combine, sum for sum."""
+    tokens = tl.arange(0, BLOCK_T)
+    token_ok = tokens < TOKENS
+    n = b * TOKENS + tokens
+    total = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for route in tl.static_range(ROUTES):
+        expert = tl.load(ids_ptr + n * ROUTES + route, mask=token_ok, other=-1)
+        routed = (token_ok & (expert >= 0) & (expert < num_experts))[:, None] & chan_ok
+        for part in tl.static_range(PARTS):
+            term_rows = terms_ptr + ((part * rows + n) * ROUTES + route)[:, None] * channels
+            total += tl.load(term_rows + chans[None, :], mask=routed, other=0.0)
+    destination = x_ptr + n[:, None] * channels + chans[None, :]
+    tl.store(destination, total.to(x_ptr.dtype.element_ty), mask=token_ok[:, None] & chan_ok)
+
+
+@triton.jit
 def _step_convolution_kernel(
     x_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr, weight_ptr, residual_ptr,
-    out_ptr, channels, divisor, stride_xb, stride_xt, stride_xc, stride_mb, stride_mt, stride_rb, stride_rc,
-    stride_rs, stride_wc, stride_wk, stride_eb, stride_et, stride_ec, TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr,
+    out_ptr, terms_ptr, ids_ptr, channels, divisor, rows, num_experts, stride_xb, stride_xt, stride_xc, stride_mb,
+    stride_mt, stride_rb, stride_rc, stride_rs, stride_wc, stride_wk, stride_eb, stride_et, stride_ec,
+    TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ROUTES: tl.constexpr, PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (cdiv(C, BLOCK_C), batch): out[b, t, c] = (sum_j context[t + j, c] weight[c, j] + x[b, t, c]) / divisor
     for the step's TOKENS tokens (`_step_context` rows), the sum in the prompt kernel's order (HAS_RESIDUAL: rounded
     to out's dtype, then added to residual[b, t, c] in fp32); then the step's masked inputs go into the ring at
-    write_slots, after every read of it (the step's history slots are others)."""
+    write_slots, after every read of it (the step's history slots are others). ROUTES > 0: x is first written here,
+    the experts' terms added up (`_summed_terms`), and read back after a barrier (the convolution reads other
+    threads' values of it)."""
     wait_for_predecessor(PDL)
     b = tl.program_id(1).to(tl.int64)
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_ok = (chans < channels)[None, :]
+    if ROUTES > 0:
+        _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, rows, channels, num_experts, TOKENS, ROUTES, PARTS,
+                      BLOCK_T, BLOCK_C)
+        tl.debug_barrier()
     x_rows = x_ptr + b * stride_xb + chans[None, :] * stride_xc
     ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
     out, rows, write = _step_sum(x_rows, stride_xt, mask_ptr + b * stride_mb, stride_mt, ring_rows, stride_rs,
@@ -190,6 +216,44 @@ def step_convolution(
     history_slots / history_held [k - 1] and write_slots [T], the step's `StepSlots`; weight [C, k] fp32; residual
     [batch, T, C] or None: added (in fp32) to the output rounded to x's dtype, as a decoder layer ends. Returns a
     contiguous [batch, T, C] in x's dtype. A custom op: the compiled decode steps call it as it is."""
+    return _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual)
+
+
+@torch.library.custom_op("inkling2::step_convolution_of_terms", mutates_args=("ring",))
+def step_convolution_of_terms(
+    terms: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    token_mask: Optional[torch.Tensor],  # noqa: UP045
+    ring: torch.Tensor,
+    history_slots: torch.Tensor,
+    history_held: torch.Tensor,
+    write_slots: torch.Tensor,
+    weight: torch.Tensor,
+    divisor: float,
+    residual: Optional[torch.Tensor],  # noqa: UP045
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """`step_convolution` of the routed experts' output given as its terms (`RouteTerms`: terms fp32 [parts,
+    batch * T, top_k, C], expert_ids [batch * T, top_k]), which the same launch adds first, as the experts'
+    combine would (route order, each route's parts in order, routes to ids outside [0, num_experts) skipped,
+    rounded to like's dtype): the combine's launch and its output's round trip go. like: a [batch, T, C] tensor of
+    the output's shape and dtype (the MoE's input)."""
+    parts, rows, routes, channels = terms.shape
+    if expert_ids.shape != (rows, routes) or rows != like.shape[0] * like.shape[1] or channels != like.shape[2]:
+        raise ValueError(
+            f"Expected terms [parts, batch * T, top_k, C] and expert ids [batch * T, top_k] for an output "
+            f"{tuple(like.shape)}, got {tuple(terms.shape)} and {tuple(expert_ids.shape)}."
+        )
+    x = torch.empty_like(like, memory_format=torch.contiguous_format)  # the sum, which the kernel writes and reads
+    routed = (terms.contiguous(), expert_ids.contiguous(), num_experts)
+    return _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual,
+                             routed)  # fmt: skip
+
+
+def _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual,
+                      routed: tuple | None = None) -> torch.Tensor:
+    """Both ops' launch; routed: (terms, expert_ids, num_experts), whose sum the kernel writes into x first."""
     batch, length, channels = x.shape
     kernel_size = weight.shape[-1]
     if ring.shape[:2] != (batch, channels) or weight.shape[0] != channels or write_slots.numel() != length:
@@ -204,12 +268,15 @@ def step_convolution(
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     mask, mask_strides = (x, (0, 0)) if token_mask is None else (token_mask, token_mask.stride())
     added, added_strides = (x, (0, 0, 0)) if residual is None else (residual, residual.stride())
+    terms, expert_ids, num_experts = (x, x, 0) if routed is None else routed
+    parts, rows, routes = (1, 0, 0) if routed is None else terms.shape[:3]
     pdl = dependent_launch(x)
     _step_convolution_kernel[(triton.cdiv(channels, BLOCK_C), batch)](
-        x, mask, ring, history_slots, history_held, write_slots, weight, added, out, channels, divisor, *x.stride(),
-        *mask_strides, *ring.stride(), *weight.stride(), *added_strides, TOKENS=length, KERNEL_SIZE=kernel_size,
-        HAS_MASK=token_mask is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=triton.next_power_of_2(length),
-        BLOCK_C=BLOCK_C, PDL=pdl, num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
+        x, mask, ring, history_slots, history_held, write_slots, weight, added, out, terms, expert_ids, channels,
+        divisor, rows, num_experts, *x.stride(), *mask_strides, *ring.stride(), *weight.stride(), *added_strides,
+        TOKENS=length, KERNEL_SIZE=kernel_size, HAS_MASK=token_mask is not None, HAS_RESIDUAL=residual is not None,
+        ROUTES=routes, PARTS=parts, BLOCK_T=triton.next_power_of_2(length), BLOCK_C=BLOCK_C, PDL=pdl,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -219,4 +286,10 @@ def _(x, token_mask, ring, history_slots, history_held, write_slots, weight, div
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-__all__ = ["short_convolution", "step_convolution"]
+@step_convolution_of_terms.register_fake
+def _(terms, expert_ids, num_experts, token_mask, ring, history_slots, history_held, write_slots, weight, divisor,
+      residual, like):  # fmt: skip
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
+__all__ = ["short_convolution", "step_convolution", "step_convolution_of_terms"]

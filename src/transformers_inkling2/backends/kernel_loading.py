@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 KERNEL_ENV = "INKLING2_MOE_KERNEL"
+# "0": the kernel sums the experts' outputs itself even where a decode step's layer end would add them up
+TERMS_ENV = "INKLING2_FUSED_EXPERT_SUM"
 BUILD_COMMAND = "python hub_kernels/build.py"
 _PACKAGE = Path(__file__).resolve().parents[1]  # transformers_inkling2/
 # the built copy inside an installed wheel; or a checkout's kernel folder (next to src/) and the builder beside it
@@ -92,3 +94,47 @@ def routed_experts(
 def _(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, w13_scale=None, w2_scale=None, w13_outer=None,
       w2_outer=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("inkling2::routed_expert_terms", mutates_args=())
+def routed_expert_terms_op(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    fmt: str,
+    gate_cap: float,
+    up_cap: float,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_outer: torch.Tensor | None = None,
+    w2_outer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe_forward(..., combine=False)`, the terms of the experts' sum (fp32 [parts, T, top_k, H]), as a custom op,
+    as `routed_experts`."""
+    return moe_kernel().moe_forward(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale=w13_scale,
+                                    w2_scale=w2_scale, w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap,
+                                    up_cap=up_cap, combine=False)  # fmt: skip
+
+
+@routed_expert_terms_op.register_fake
+def _(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, w13_scale=None, w2_scale=None, w13_outer=None,
+      w2_outer=None):
+    parts = moe_kernel().slot_output_parts(x, expert_ids, w13, w2, fmt)  # from sizes and the device only
+    return x.new_empty(parts, *expert_ids.shape, x.shape[-1], dtype=torch.float32)
+
+
+@torch.compiler.assume_constant_result  # asked while `torch.compile` traces a step: a constant of the process
+def kernel_returns_terms() -> bool:
+    """Whether the loaded kernel has `moe_forward`'s `combine` option (a published build that `INKLING2_MOE_KERNEL`
+    names may be older)."""
+    return hasattr(moe_kernel(), "slot_output_parts")
+
+
+def routed_expert_terms(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, **scales):
+    """`routed_expert_terms_op`, or None from a kernel without the option or with `INKLING2_FUSED_EXPERT_SUM=0`: the
+    caller then takes the kernel's sum."""
+    if not kernel_returns_terms() or os.environ.get(TERMS_ENV, "1") == "0":
+        return None
+    return routed_expert_terms_op(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, **scales)

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..cache.common import MAX_STEP_TOKENS
+from ..modeling.experts import RouteTerms
 from ..modeling.modeling_inkling2_text import Inkling2BlockAttentionResidual, Inkling2ShortConvolution
 from ..modeling.norms import Inkling2RMSNorm
 from ..modeling.tensors import differentiable, local_tensor
@@ -136,27 +137,36 @@ def fused_residual_mix_after_sublayer(
 
 def fused_residual_step_convolution(
     convolution: nn.Module,
-    output: torch.Tensor,
+    mlp_input: torch.Tensor,
     token_mask: torch.Tensor | None,
     cache,
     query_positions: torch.Tensor,
     partial: torch.Tensor,
     dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """A decoder layer's end, `(partial + convolution(output)).to(dtype)`, as one step convolution over the static
+) -> Callable[[torch.Tensor | RouteTerms], torch.Tensor] | None:
+    """A decoder layer's end, `(partial + convolution(mlp_output)).to(dtype)`, as one step convolution over the static
     cache's ring with the sum in its epilogue (`convolution_kernel.step_convolution`'s residual), where the fused
-    mixes are on, the step reads its context from the ring and the MoE's output comes in `dtype` (the kernel's output
-    dtype is its input's); None where the reference runs. partial [batch, T, H] fp32, output [batch, T, H]."""
-    if not enabled() or not kernel_runs_on(output) or output.dtype != dtype or differentiable(partial):
+    mixes are on, the step reads its context from the ring and the MoE's input (so its output) comes in `dtype` (the
+    kernel's output dtype is its input's): a function of the MoE's output, [batch, T, H] or its experts' `RouteTerms`
+    (whose sum the kernel then makes in its prologue, in place of the experts' combine launch); None where the
+    reference runs. Decided before the MoE runs, from its input [batch, T, H]; partial [batch, T, H] fp32."""
+    if not enabled() or not kernel_runs_on(mlp_input) or mlp_input.dtype != dtype or differentiable(partial):
         return None
-    ring = convolution_ring(convolution, output, cache, query_positions)  # the step's length and gradients too
+    ring = convolution_ring(convolution, mlp_input, cache, query_positions)  # the step's length and gradients too
     if ring is None:
         return None
     ring_buffer, step, weight, divisor = ring
-    from .convolution_kernel import step_convolution  # Triton, imported where the kernel runs
+    from .convolution_kernel import step_convolution, step_convolution_of_terms  # Triton, where the kernel runs
 
-    slots = (step.history_slots, step.history_held, step.conv_write)
-    return step_convolution(output, token_mask, ring_buffer, *slots, weight, divisor, partial)
+    convolved = (token_mask, ring_buffer, step.history_slots, step.history_held, step.conv_write, weight, divisor)
+
+    def end(mlp_output: torch.Tensor | RouteTerms) -> torch.Tensor:
+        if isinstance(mlp_output, RouteTerms):
+            terms, expert_ids, experts = mlp_output
+            return step_convolution_of_terms(terms, expert_ids, experts, *convolved, partial, mlp_input)
+        return step_convolution(mlp_output, *convolved, partial)
+
+    return end
 
 
 __all__ = [

@@ -18,6 +18,8 @@ ranks' outputs.
 """
 
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,18 @@ def experts_implementation(name: str | None) -> str:
             f"Inkling2 experts run with `experts_implementation` in {EXPERT_IMPLEMENTATIONS}, got {name!r}."
         )
     return name
+
+
+class RouteTerms(NamedTuple):
+    """The routed experts' output before its sum (`Inkling2ExpertsBase.route_terms`), for a kernel that adds it up
+    itself: `terms`, each route's routing-weighted output, fp32 [parts, N, top_k, H] (`parts`: the kernel's split of
+    the down projection's reduction), and the routes' `expert_ids` [N, top_k]. Added per token in route order, each
+    route's parts in order, and rounded to the activations' dtype, they are the experts' output bit for bit; a route
+    to an id outside [0, num_experts) holds no term (it is skipped)."""
+
+    terms: torch.Tensor
+    expert_ids: torch.Tensor
+    num_experts: int
 
 
 class Inkling2ExpertsInterface(ExpertsInterface):
@@ -122,17 +136,31 @@ class Inkling2ExpertsBase(nn.Module):
         """The `inkling2_moe` hub kernel (routing, fused dequantization, softcapped SwiGLU and combine in a handful of
         launches, no host sync: Triton on CUDA tensors, the kernel package's own PyTorch reference elsewhere);
         bf16 activations."""
-        return self.finish(
-            KERNELS.get("routed_experts")(
-                x.to(torch.bfloat16),
-                self.local_expert_ids(expert_ids),  # the kernel drops ids outside [0, experts): other ranks' routes
-                weights.float(),
-                gate_cap=self.gate_cap,
-                up_cap=self.up_cap,
-                **self.kernel_weights(),
-            ),
-            x.dtype,
+        return self.finish(self.call_kernel("routed_experts", x, expert_ids, weights), x.dtype)
+
+    def route_terms(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> RouteTerms | None:
+        """`RouteTerms` of x [N, H] from the hub kernel without its combine launch, where the kernel takes the call
+        and the sum is this module's to make; None elsewhere (another path; expert parallelism, whose plan sums the
+        ranks' outputs; a kernel build without the option)."""
+        if self._is_expert_parallel or not self.takes_kernel(x, weights) or "routed_expert_terms" not in KERNELS:
+            return None
+        terms = self.call_kernel("routed_expert_terms", x, expert_ids, weights)
+        return None if terms is None else RouteTerms(terms, expert_ids, self.num_experts)
+
+    def call_kernel(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
+        """The hub kernel `KERNELS[name]` on this module's weights: bf16 activations, this block's expert ids."""
+        return KERNELS.get(name)(
+            x.to(torch.bfloat16),
+            self.local_expert_ids(expert_ids),  # the kernel drops ids outside [0, experts): other ranks' routes
+            weights.float(),
+            gate_cap=self.gate_cap,
+            up_cap=self.up_cap,
+            **self.kernel_weights(),
         )
+
+    def takes_kernel(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        """Whether this call runs the hub kernel (`uses_kernel`, and whatever the storage adds)."""
+        return self.uses_kernel(x, weights)
 
     def uses_kernel(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
         """Inference on CUDA with the default implementation: the kernel has no backward, so with gradients flowing
@@ -169,7 +197,7 @@ class Inkling2Experts(Inkling2ExpertsBase):
         - long prefills in chunks of tokens whose sorted activations stay under 2^31 elements;
         - split across ranks: routes to other ranks' experts become transformers' sentinel (id `num_experts`,
           weight 0) and the function reads this rank's block of the DTensor weights."""
-        if self.gate_up_proj.dtype == torch.bfloat16 and self.uses_kernel(x, weights):
+        if self.takes_kernel(x, weights):
             return self.run_kernel(x, expert_ids, weights)
         tokens, top_k = expert_ids.shape
         chunk = max(1, MAX_GROUPED_ELEMENTS // (top_k * 2 * max(self.hidden_size, self.intermediate_size)))
@@ -182,6 +210,10 @@ class Inkling2Experts(Inkling2ExpertsBase):
         elsewhere = (ids < 0) | (ids >= self.num_experts)
         with _use_local_dtensor_params(self):
             return function(self, x, ids.masked_fill(elsewhere, self.num_experts), weights.masked_fill(elsewhere, 0.0))
+
+    def takes_kernel(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        """BF16 weights only: the kernel has no fp32 path."""
+        return self.gate_up_proj.dtype == torch.bfloat16 and self.uses_kernel(x, weights)
 
     def kernel_weights(self) -> dict:
         return dict(w13=local_tensor(self.gate_up_proj), w2=local_tensor(self.down_proj), fmt="bf16")

@@ -9,9 +9,10 @@ model loads none of them. `transformers_inkling2/__init__.py` fills the registri
   and the eager reference).
 - `EXPERT_STORAGES`: how a layer stores its routed experts ("bf16", "nvfp4", "mxfp8") -> the experts module class.
 - `KERNELS`: single functions the model hands work to where they apply (the fused prompt and step convolutions,
-  the routed experts kernel, the relative-logits layout the prefill kernel reads, a decode step's grouped input
-  projections, its router, its attention from the raw query-side projections, a layer's step keys and values
-  computed and cached in one launch, and its attention-residual mixes with the norms after them).
+  the routed experts kernel, with or without its sum, the relative-logits layout the prefill kernel reads, a decode
+  step's grouped input projections, its router, its attention from the raw query-side projections, a layer's step
+  keys and values computed and cached in one launch, its attention-residual mixes with the norms after them, and
+  its end, the experts' sum included).
 - `LOADING_HOOKS`: steps of `from_pretrained` (expert storage read from the tensor headers, the bundled drafter,
   scale checks), each with its `stage`: "config" hooks complete the config before the model is built, "model"
   hooks see the loaded model and its loading info.

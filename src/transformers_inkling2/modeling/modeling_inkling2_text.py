@@ -37,7 +37,7 @@ from ..cache.static import Inkling2StaticCache
 from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2TextConfig
 from .activation_memory import SMALL_CHUNK_GRANULE, automatic_prefill_chunk
 from .attention import PAGED_KEYS_BACKEND, default_attention_backend, eager_attention, get_attention_backend
-from .experts import Inkling2Experts, softcap
+from .experts import Inkling2Experts, RouteTerms, softcap
 from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
 from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
 from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
@@ -382,9 +382,14 @@ class Inkling2SparseMoeBlock(nn.Module):
                 per_half=quantization.get("nvfp4_outer_per_half", False),
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, summed: bool = True) -> torch.Tensor | RouteTerms:
+        """x [..., H] -> the MoE's output [..., H]; with `summed=False`, where the experts' kernel gives them
+        (`Inkling2ExpertsBase.route_terms`), the output's terms instead, for a kernel that adds them itself."""
         flat = x.reshape(-1, x.shape[-1])
         _, weights, expert_ids = self.gate(flat)
+        terms = None if summed else self.experts.route_terms(flat, expert_ids, weights)
+        if terms is not None:
+            return terms
         return self.experts(flat, expert_ids, weights).view_as(x)
 
 
@@ -471,8 +476,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         continued = None if self.opens_block else partial
         partial, mlp_input = self.mlp_inputs(attention_output, continued, blocks, token_mask, cache, query_positions,
                                              dtype)  # fmt: skip
-        mlp_output = self.mlp(mlp_input)
-        return self.layer_output(mlp_output, partial, token_mask, cache, query_positions, dtype), blocks
+        return self.layer_output(mlp_input, partial, token_mask, cache, query_positions, dtype), blocks
 
     def attention_norms(self) -> tuple[Inkling2RMSNorm, ...]:
         """The norms of the attention's inputs: one in a sliding layer, the query's, key's and value's in a full one."""
@@ -520,17 +524,20 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         mlp_input = self.mlp_input(blocks, partial)[0]
         return partial, self.post_attention_layernorm(mlp_input).to(dtype)
 
-    def layer_output(self, mlp_output, partial, token_mask, cache, query_positions, dtype) -> torch.Tensor:
-        """The layer's output in `dtype`: the partial block (fp32) plus the MoE's output through the post-MLP
-        convolution. One launch where the `residual_step_convolution` kernel takes the step (the sum in the step
-        convolution's epilogue)."""
+    def layer_output(self, mlp_input, partial, token_mask, cache, query_positions, dtype) -> torch.Tensor:
+        """The layer's output in `dtype`: the partial block (fp32) plus the MoE's output (of mlp_input, in its dtype)
+        through the post-MLP convolution. Where the `residual_step_convolution` kernel takes the step, one launch
+        after the experts' GEMMs: the step convolution adds the partial block in its epilogue, and the experts'
+        terms in its prologue where their kernel leaves the sum to it (`summed=False`; not to a hooked MoE, whose
+        hooks expect its output)."""
         convolution = self.post_mlp_convolution
         fused = KERNELS.optional("residual_step_convolution")
         at = (token_mask, cache, query_positions)
-        output = None if fused is None else fused(convolution, mlp_output, *at, partial, dtype)
-        if output is not None:
-            return output
-        return (partial + fp32_operand(convolution(mlp_output, *at))).to(dtype)
+        end = None if fused is None else fused(convolution, mlp_input, *at, partial, dtype)
+        if end is not None:
+            hooked = bool(self.mlp._forward_hooks or self.mlp._forward_pre_hooks)
+            return end(self.mlp(mlp_input, summed=hooked))
+        return (partial + fp32_operand(convolution(self.mlp(mlp_input), *at))).to(dtype)
 
 
 # --- models -------------------------------------------------------------------------------------------------------

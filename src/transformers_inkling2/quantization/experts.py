@@ -121,7 +121,7 @@ class Inkling2QuantizedExperts(Inkling2ExpertsBase):
         return super().expert_mlp(x, expert)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.uses_kernel(x, weights):
+        if self.takes_kernel(x, weights):
             return self.run_kernel(x, expert_ids, weights)
         return self.loop_over_experts(x, expert_ids, weights)
 

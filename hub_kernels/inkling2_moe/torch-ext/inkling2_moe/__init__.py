@@ -5,7 +5,7 @@ Triton on CUDA tensors, PyTorch references elsewhere. Triton is imported only wh
 """
 
 from . import layers
-from .ops import KernelConfig, moe_forward, pick_config, route
+from .ops import KernelConfig, moe_forward, pick_config, route, slot_output_parts
 from .reference import (
     FORMATS,
     Routing,
@@ -30,5 +30,6 @@ __all__ = [
     "pick_config",
     "route",
     "route_reference",
+    "slot_output_parts",
     "softcapped_swiglu_reference",
 ]

@@ -17,7 +17,7 @@ from .reference import (
     route_reference,
 )
 
-__all__ = ["KernelConfig", "moe_forward", "pick_config", "route"]
+__all__ = ["KernelConfig", "moe_forward", "pick_config", "route", "slot_output_parts"]
 
 _FMT_CODE = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
 _RANK_ROUTE_SLOTS = 2048  # up to this many slots routing ranks slots pairwise (1-2 launches), beyond: histograms
@@ -354,13 +354,12 @@ def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
     return routing, x_in, x_scale, torch.empty(slots, inter, dtype=torch.float16, device=x.device)
 
 
-def _splits(problem: _Problem) -> tuple[int, int]:
+def _splits(config: KernelConfig, fmt: str, hidden: int, inter: int) -> tuple[int, int]:
     """How many programs share the reduction of the gate/up GEMM (over H) and of the down GEMM (over I)."""
-    config = problem.config
     if config.register_gemv:
-        return tuple(_steps_split(k_dim // _REGISTER_STEP_INPUTS[problem.fmt], config.split_k)
-                     for k_dim in (problem.hidden, problem.inter))  # fmt: skip
-    return _split_k(problem.hidden, config.split_k), _split_k(problem.inter, config.split_k)
+        return tuple(_steps_split(k_dim // _REGISTER_STEP_INPUTS[fmt], config.split_k)
+                     for k_dim in (hidden, inter))  # fmt: skip
+    return _split_k(hidden, config.split_k), _split_k(inter, config.split_k)
 
 
 def _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split, partial_out) -> None:
@@ -408,31 +407,57 @@ def _down(problem, weights, act, slot_weights, split, y) -> None:
 
 def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale, w2_scale, w13_outer,
                         w2_outer, gate_cap, up_cap, routing=None, config: KernelConfig | None = None,
-                        out: torch.Tensor | None = None):
+                        out: torch.Tensor | None = None, combine: bool = True):
     """`moe_forward` on CUDA tensors (or under Triton's interpreter): route, cast the activations where the format
-    multiplies in f16, the gate/up GEMM with its SwiGLU, the down GEMM weighted per slot, and the combine that adds
-    each token's slots (and the split-K parts) in a fixed order."""
+    multiplies in f16, the gate/up GEMM with its SwiGLU, the down GEMM weighted per slot, and (`combine`) the
+    combine that adds each token's slots (and the split-K parts) in a fixed order."""
     num_experts, hidden, inter = _expert_dims(fmt, w13, w2)
     tokens, top_k = expert_ids.shape
     if x.shape != (tokens, hidden):
         raise ValueError(f"x must be [{tokens}, {hidden}], got {tuple(x.shape)}")
+    config = _call_config(x, expert_ids, fmt, num_experts, hidden, inter, config)
+    if routing is not None and routing.block_m != config.block_m:
+        raise ValueError(f"routing was built for block_m={routing.block_m}, the kernels use {config.block_m}")
+    split_down = _splits(config, fmt, hidden, inter)[1]
+    if combine and out is None:
+        out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
+    elif combine and (out.shape != (tokens, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1):
+        raise ValueError(f"out must be a bf16 [{tokens}, {hidden}] tensor with unit column stride")
+    y = torch.empty(split_down, tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    if tokens:
+        _expert_kernels(x, expert_ids, routing_weights, fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer,
+                        gate_cap, up_cap, routing, config, y)  # fmt: skip
+    if not combine:
+        return y.view(split_down, tokens, top_k, hidden)
+    if tokens:
+        block = min(1024, _next_pow2(hidden))
+        _kernels()._combine_kernel[(tokens, _cdiv(hidden, block))](
+            y, expert_ids.contiguous(), out, out.stride(0), tokens * top_k, hidden, num_experts, TOPK=top_k,
+            SPLIT_K=split_down, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _call_config(x, expert_ids, fmt, num_experts, hidden, inter, config: KernelConfig | None) -> KernelConfig:
+    """The tile shape of a call: `config` checked against what the device and shapes allow, or `pick_config`'s."""
     register_gemv = _register_gemv_usable(x, fmt, hidden, inter)
     if config is None:
         multiprocessors = torch.cuda.get_device_properties(x.device).multi_processor_count if register_gemv else 0
-        config = pick_config(tokens * top_k, num_experts, fmt, register_gemv, inter=inter,
-                             multiprocessors=multiprocessors)  # fmt: skip
+        return pick_config(expert_ids.numel(), num_experts, fmt, register_gemv, inter=inter,
+                           multiprocessors=multiprocessors)  # fmt: skip
     if config.register_gemv and not register_gemv:
         raise ValueError("register_gemv needs NVFP4 (MXFP8) experts with H and I multiples of 256 (128) on a CUDA "
                          "GPU of compute capability >= 8.9 and a Triton with Gluon; leave config=None to let "
                          "pick_config choose")
-    if routing is not None and routing.block_m != config.block_m:
-        raise ValueError(f"routing was built for block_m={routing.block_m}, the kernels use {config.block_m}")
-    if out is None:
-        out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
-    elif out.shape != (tokens, hidden) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"out must be a bf16 [{tokens}, {hidden}] tensor with unit column stride")
-    if tokens == 0:
-        return out
+    return config
+
+
+def _expert_kernels(x, expert_ids, routing_weights, fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, gate_cap,
+                    up_cap, routing, config, y) -> None:
+    """Everything before the combine, for T > 0 tokens: route, cast the activations, the gate/up GEMM with its
+    SwiGLU, and the down GEMM's routing-weighted slot rows into y [down split, slots, H] fp32."""
+    num_experts, hidden, inter = _expert_dims(fmt, w13, w2)
+    tokens, top_k = expert_ids.shape
     x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -441,23 +466,32 @@ def _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale,
     routing, x_in, x_scale, act = _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
                                                       slot_weights)  # fmt: skip
     problem = _Problem(tokens, top_k, hidden, inter, num_experts, fmt, config, routing)
-    split_gate_up, split_down = _splits(problem)
+    split_gate_up, split_down = _splits(config, fmt, hidden, inter)
     partial = torch.empty(split_gate_up if split_gate_up > 1 else 0, problem.slots, 2 * inter, dtype=torch.float32,
                           device=x.device)  # fmt: skip
-    y = torch.empty(split_down, problem.slots, hidden, dtype=torch.float32, device=x.device)
     _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split_gate_up, partial if split_gate_up > 1 else y)
-    kernels = _kernels()
     if split_gate_up > 1:
-        kernels._swiglu_kernel[(_cdiv(problem.slots, 16), _cdiv(inter, 128))](
+        _kernels()._swiglu_kernel[(_cdiv(problem.slots, 16), _cdiv(inter, 128))](
             partial, routing.expert_offsets, act, act.stride(0), problem.slots, num_experts, inter, float(gate_cap),
             float(up_cap), FMT=problem.code, SPLIT_K=split_gate_up, BR=16, BC=128, num_warps=4,
         )  # fmt: skip
     _down(problem, weights, act, slot_weights, split_down, y)
-    block = min(1024, _next_pow2(hidden))
-    kernels._combine_kernel[(tokens, _cdiv(hidden, block))](y, expert_ids.contiguous(), out, out.stride(0),
-                                                            problem.slots, hidden, num_experts, TOPK=top_k,
-                                                            SPLIT_K=split_down, BLOCK=block, num_warps=4)  # fmt: skip
-    return out
+
+
+def _runs_kernels(x: torch.Tensor, fmt: str) -> bool:
+    """Whether a call on x runs the Triton kernels: CUDA, and for NVFP4 / MXFP8 a GPU with E4M3 conversions."""
+    return x.is_cuda and (fmt == "bf16" or _e4m3_conversions(x.device))
+
+
+def slot_output_parts(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      fmt: str = "bf16", config: KernelConfig | None = None) -> int:
+    """How many parts ``moe_forward(..., combine=False)`` returns for these arguments (the down GEMM's split of
+    I). From sizes and the device only, so that a tracer (a fake tensor, `torch.compile`) can shape the result
+    without running anything."""
+    if not _runs_kernels(x, fmt):
+        return 1
+    num_experts, hidden, inter = _expert_dims(fmt, w13, w2)
+    return _splits(_call_config(x, expert_ids, fmt, num_experts, hidden, inter, config), fmt, hidden, inter)[1]
 
 
 def moe_forward(
@@ -477,6 +511,7 @@ def moe_forward(
     routing: Routing | None = None,
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """Routed-expert block: ``out[t] = sum_j routing_weights[t, j] * down(act(gate_up(x[t])))`` in bf16.
 
@@ -495,6 +530,11 @@ def moe_forward(
         routing: a :func:`route` result to reuse (its ``block_m`` must match the config).
         config: override the tile shape (:func:`pick_config` otherwise).
         out: optional bf16 ``[T, H]`` destination (a static buffer for CUDA graphs).
+        combine: False skips the sum: returns the terms of it, each slot's routing-weighted output, fp32
+            ``[parts, T, top_k, H]`` (``parts``: the down GEMM's split of I, :func:`slot_output_parts`), for a
+            caller that adds them inside a kernel of its own instead of a launch here. Added per token in slot
+            order, each slot's parts in order, and rounded to bf16, they are ``moe_forward``'s output bit for
+            bit. The rows of dropped slots are not written: skip them, as the sum does.
 
     CUDA tensors run the Triton kernels (no host sync, deterministic, graph-capturable); other devices, and
     NVFP4 / MXFP8 on GPUs without E4M3 conversions (compute capability < 8.9), run :func:`moe_forward_reference`.
@@ -505,12 +545,14 @@ def moe_forward(
         raise ValueError(f"{fmt} needs w13_scale and w2_scale")
     if fmt == "nvfp4" and (w13_outer is None or w2_outer is None):
         raise ValueError("nvfp4 needs w13_outer and w2_outer (fp32 multipliers per expert)")
-    if x.is_cuda and (fmt == "bf16" or _e4m3_conversions(x.device)):
+    if not combine and out is not None:
+        raise ValueError("out is the destination of the sum: combine=False returns the slots' rows instead")
+    if _runs_kernels(x, fmt):
         return _moe_forward_triton(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale, w2_scale,
-                                   w13_outer, w2_outer, gate_cap, up_cap, routing, config, out)
+                                   w13_outer, w2_outer, gate_cap, up_cap, routing, config, out, combine)
     result = moe_forward_reference(
         x, expert_ids, routing_weights, w13, w2, fmt, w13_scale=w13_scale, w2_scale=w2_scale,
-        w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap, up_cap=up_cap,
+        w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap, up_cap=up_cap, combine=combine,
     )
     if out is None:
         return result

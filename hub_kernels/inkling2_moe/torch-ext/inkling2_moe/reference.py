@@ -187,11 +187,14 @@ def moe_forward_reference(
     w2_outer: torch.Tensor | None = None,
     gate_cap: float = 4.0,
     up_cap: float = 25.0,
+    combine: bool = True,
 ) -> torch.Tensor:
     """Routed experts on ``x [T, H]``: ``sum_j w[t, j] * down_e(act(gate_up_e(x_t)))`` for ``e = ids[t, j]``.
 
     ``w13`` holds the gate rows then the up rows (``[E, 2I, H]`` in its storage format), ``w2`` is
-    ``[E, H, I]``. Returns bf16 ``[T, H]``; see the module docstring for the exact numerics.
+    ``[E, H, I]``. Returns bf16 ``[T, H]``; see the module docstring for the exact numerics. ``combine=False``
+    returns the terms of that sum instead, each slot's weighted output: fp32 ``[1, T, top_k, H]`` (one part, as
+    `moe_forward`'s), zero for dropped slots.
     """
     _check_ids(expert_ids)
     if fmt not in FORMATS:
@@ -219,6 +222,8 @@ def moe_forward_reference(
         act = softcapped_swiglu_reference(hidden[:, :inter], hidden[:, inter:], gate_cap, up_cap)
         y[slots] = (act.to(torch.bfloat16).float() @ down.T) * weights[slots, None]
     per_slot = y.view(t, top_k, h)
+    if not combine:
+        return per_slot[None]
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     for j in range(top_k):  # fixed order: bitwise reproducible
         out = out + per_slot[:, j]

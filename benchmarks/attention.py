@@ -120,10 +120,10 @@ def environment() -> str:
     props = torch.cuda.get_device_properties(0)
     import transformers
 
-    from transformers_inkling2.backends import dependent_launch, key_value_step, residual_mix
+    from transformers_inkling2.backends import dependent_launch, kernel_loading, key_value_step, residual_mix
     from transformers_inkling2.backends.attention import step
 
-    names = (dependent_launch.ENV, step.ENV, key_value_step.ENV, residual_mix.ENV)
+    names = (dependent_launch.ENV, step.ENV, key_value_step.ENV, residual_mix.ENV, kernel_loading.TERMS_ENV)
     switches = "".join(f", {name}={os.environ[name]}" for name in names if name in os.environ)
     return (
         f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, transformers "

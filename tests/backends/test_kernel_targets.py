@@ -366,14 +366,17 @@ def router_calls() -> None:
 
 
 def projection_calls() -> None:
-    """A decode step's six input projections of a sliding layer, one and 16 rows (the kernel's row range)."""
+    """A decode step's six input projections of a sliding layer, one and 16 rows (the kernel's row range), at full
+    width (`TILE`) and with a quarter of the heads, as one GPU of TP4 has them (`DEEP_TILE`)."""
     from transformers_inkling2.backends.projection_kernel import grouped_projections
 
-    heads, kv_heads, hidden = MODEL.swa_num_attention_heads, MODEL.swa_num_key_value_heads, MODEL.hidden_size
-    widths = [heads * MODEL.head_dim] * 2 + [heads * MODEL.d_rel, heads] + [kv_heads * MODEL.head_dim] * 2
-    for rows in (1, 16):
-        x = torch.empty(rows, hidden, dtype=torch.bfloat16)
-        grouped_projections([x] * 6, [torch.empty(n, hidden, dtype=torch.bfloat16) for n in widths])
+    hidden = MODEL.hidden_size
+    for ranks in (1, 4):
+        heads, kv_heads = MODEL.swa_num_attention_heads // ranks, MODEL.swa_num_key_value_heads // ranks
+        widths = [heads * MODEL.head_dim] * 2 + [heads * MODEL.d_rel, heads] + [kv_heads * MODEL.head_dim] * 2
+        for rows in (1, 16):
+            x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+            grouped_projections([x] * 6, [torch.empty(n, hidden, dtype=torch.bfloat16) for n in widths])
 
 
 @pytest.fixture(scope="module")

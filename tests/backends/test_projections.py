@@ -43,21 +43,25 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from inkling2_helpers import within
 from test_projections import exact_products, projection_case
+from transformers_inkling2.backends import projection_kernel
 from transformers_inkling2.backends.projection_kernel import BLOCK_M, grouped_projections
 from transformers_inkling2.backends.projections import MAX_ROWS
 
-# widths that are not multiples of the tile (BLOCK_N 32, BLOCK_K 128); 1 to 16 rows; fp16 (the
-# interpreter's bf16 `tl.dot` returns garbage: bf16 is checked on the GPU)
+# widths that are not multiples of the tiles (BLOCK_N 32, BLOCK_K 128 or 256); 1 to 16 rows; fp16 (the
+# interpreter's bf16 `tl.dot` returns garbage: bf16 is checked on the GPU); TILE (no SMs off CUDA), then DEEP_TILE
+# (as many SMs as programs or more)
 results = {}
-for seed, (rows, width) in enumerate([(1, 200), (5, 96), (11, 160), (16, 64)]):
-    dtype = torch.float16
-    outputs = [48, 48, 12, 3, 16, 17] if seed % 2 == 0 else [40, 7, 33]
-    inputs, modules = projection_case(rows, width, outputs, dtype, seed)
-    got = grouped_projections(inputs, [m.weight.detach() for m in modules])
-    expected = exact_products(inputs, modules)
-    name = f"{rows}x{width} {dtype} -> {outputs}"
-    results[name] = [all(y.dtype == dtype and y.shape == e.shape for y, e in zip(got, expected))]
-    results[name] += [within(y, e, torch.finfo(dtype).eps) for y, e in zip(got, expected)]
+for sms in (0, 64):
+    projection_kernel.multiprocessors = lambda device: sms
+    for seed, (rows, width) in enumerate([(1, 200), (5, 96), (11, 160), (16, 320)]):
+        dtype = torch.float16
+        outputs = [48, 48, 12, 3, 16, 17] if seed % 2 == 0 else [40, 7, 33]
+        inputs, modules = projection_case(rows, width, outputs, dtype, seed)
+        got = grouped_projections(inputs, [m.weight.detach() for m in modules])
+        expected = exact_products(inputs, modules)
+        name = f"{rows}x{width} {dtype} -> {outputs}, {sms} SMs"
+        results[name] = [all(y.dtype == dtype and y.shape == e.shape for y, e in zip(got, expected))]
+        results[name] += [within(y, e, torch.finfo(dtype).eps) for y, e in zip(got, expected)]
 assert MAX_ROWS <= BLOCK_M  # the dispatcher never hands the kernel more rows than it takes
 print(json.dumps(results))
 """
@@ -65,13 +69,33 @@ print(json.dumps(results))
 
 @needs_triton
 def test_kernels_under_the_triton_interpreter_equal_the_products():
-    """1-16 rows, widths off the tiles, six and three weights of their own widths, fp16: `[shapes
+    """1-16 rows, widths off the tiles, six and three weights of their own widths, fp16, through either tile: `[shapes
     and dtypes, each output within bound...]` per case."""
     from pathlib import Path
 
     here = Path(__file__).parent
     results = run_under_triton_interpreter(_INTERPRETER_SCRIPT, str(here.parent), str(here))
-    assert len(results) == 4 and all(all(checks) for checks in results.values()), results
+    assert len(results) == 8 and all(all(checks) for checks in results.values()), results
+
+
+@needs_triton
+def test_a_grid_of_at_most_one_program_per_sm_takes_the_deep_tile():
+    """The full-width layer's six projections (474 programs of TILE) keep TILE on 132 SMs; the TP4-shaped layer's
+    (119) take DEEP_TILE there, and TILE where the GPU has fewer SMs than that."""
+    from transformers_inkling2.backends.projection_kernel import DEEP_TILE, TILE, launch_config
+
+    def widths(heads, kv_heads):
+        return [heads * 128, heads * 128, heads * 16, heads, kv_heads * 128, kv_heads * 128]
+
+    def tile(config):
+        return config["BLOCK_N"], config["BLOCK_K"], config["num_warps"], config["STAGES"]
+
+    assert TILE != DEEP_TILE
+    assert tile(launch_config(1, widths(48, 8), 132)) == TILE
+    assert tile(launch_config(8, widths(12, 2), 132)) == DEEP_TILE
+    assert tile(launch_config(8, widths(12, 2), 118)) == TILE
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        launch_config(17, widths(12, 2), 132)
 
 
 def test_cpu_tensors_keep_the_reference_path():

@@ -22,9 +22,12 @@ from .dependent_launch_kernel import release_successor, wait_for_predecessor
 
 MAX_WEIGHTS = 6  # q, gate, relative, sink, k, v
 BLOCK_M = 16  # the step's rows, padded to what the tensor cores take; at 64 rows cuBLAS won, so the kernel stops here
-# (BLOCK_N, BLOCK_K, warps, stages): `benchmarks/projections.py --sweep` on an H200, 2026-12-04, the fastest of 36
-# tiles at 1 and 8 rows
+# (BLOCK_N, BLOCK_K, warps, stages), the fastest at 1 and 8 rows of `benchmarks/projections.py --sweep` (weights read
+# cold) on an H100, 2026-12-05: TILE at full width (474 programs, 97% of copy bandwidth), DEEP_TILE where TILE's grid
+# gives each SM at most one program (the TP4-shaped layer: 119 programs on 132 SMs; 81% of copy bandwidth against
+# 61% with TILE): a program then streams its rows alone, and takes twice the bytes per step, one stage deeper.
 TILE = (32, 128, 4, 3)
+DEEP_TILE = (32, 256, 4, 4)
 
 
 # kernel signatures and pointer arithmetic read better packed
@@ -79,12 +82,19 @@ def _grouped_kernel(x0, x1, x2, x3, x4, x5, w0, w1, w2, w3, w4, w5, y0, y1, y2, 
 
 
 # fmt: on
-def launch_config(rows: int) -> dict:
-    """The launch's tile for `rows` rows (at most BLOCK_M)."""
+def launch_config(rows: int, widths: list[int], multiprocessors: int) -> dict:
+    """The launch's tile for `rows` rows (at most BLOCK_M) and weights of `widths` outputs on a GPU of
+    `multiprocessors` SMs: TILE, or DEEP_TILE where TILE's grid would leave each SM at most one program."""
     if not 0 < rows <= BLOCK_M:
         raise ValueError(f"The projection GEMVs take 1 to {BLOCK_M} rows, got {rows}.")
-    block_n, block_k, warps, stages = TILE
+    programs = sum(triton.cdiv(n, TILE[0]) for n in widths)
+    block_n, block_k, warps, stages = DEEP_TILE if programs <= multiprocessors else TILE
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's SMs; 0 off CUDA (CPU tensors under Triton's interpreter: TILE)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _new_outputs(inputs, weights) -> list[torch.Tensor]:
@@ -99,10 +109,11 @@ def grouped_projections(inputs: list[torch.Tensor], weights: list[torch.Tensor])
         raise ValueError(f"grouped_projections takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}.")
     outputs = _new_outputs(inputs, weights)
     rows, width = inputs[0].shape
-    config = launch_config(rows)
+    widths = [w.shape[0] for w in weights]
+    config = launch_config(rows, widths, multiprocessors(inputs[0].device))
     padding = MAX_WEIGHTS - len(weights)
     xs, ws, ys = (list(group) + [group[0]] * padding for group in (inputs, weights, outputs))
-    widths = [w.shape[0] for w in weights] + [0] * padding
+    widths += [0] * padding
     grid = (sum(triton.cdiv(n, config["BLOCK_N"]) for n in widths),)
     pdl = dependent_launch(inputs[0])
     _grouped_kernel[grid](*xs, *ws, *ys, *widths, rows, width, PDL=pdl, launch_pdl=pdl, **config)
@@ -114,4 +125,4 @@ def _(inputs, weights):
     return _new_outputs(inputs, weights)
 
 
-__all__ = ["BLOCK_M", "MAX_WEIGHTS", "TILE", "grouped_projections", "launch_config"]
+__all__ = ["BLOCK_M", "DEEP_TILE", "MAX_WEIGHTS", "TILE", "grouped_projections", "launch_config"]

@@ -263,8 +263,8 @@ def step_convolution_calls() -> None:
     """A decode step's short convolution over the static cache's ring: one token with and without a padding mask, a
     DSpark verification step of 8 (`convolution_kernel.step_convolution`, as `fused_step_convolution` calls it), each
     also with a residual added, and from the top-8 experts' terms in one and in three parts (a decoder layer's end,
-    `step_convolution_of_terms`)."""
-    from transformers_inkling2.backends.convolution_kernel import step_convolution, step_convolution_of_terms
+    `step_convolution`'s terms)."""
+    from transformers_inkling2.backends.convolution_kernel import step_convolution
 
     kernel_size, channels = MODEL.conv_kernel_size, MODEL.hidden_size
     history = kernel_size - 1
@@ -280,9 +280,8 @@ def step_convolution_calls() -> None:
         for parts in (1, 3):
             terms = torch.empty(parts, tokens, MODEL.num_experts_per_tok, channels)
             ids = torch.empty(tokens, MODEL.num_experts_per_tok, dtype=torch.int64)
-            step_convolution_of_terms(terms, ids, MODEL.n_routed_experts, mask, ring, *slots,
-                                      torch.empty(tokens, dtype=torch.int64), weight, kernel_size**0.5,
-                                      torch.empty(1, tokens, channels), x)  # fmt: skip
+            step_convolution(x, mask, ring, *slots, torch.empty(tokens, dtype=torch.int64), weight, kernel_size**0.5,
+                             torch.empty(1, tokens, channels), terms, ids, MODEL.n_routed_experts)  # fmt: skip
 
 
 def key_value_step_calls() -> None:

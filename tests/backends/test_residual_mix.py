@@ -14,6 +14,7 @@ the other fused steps on, their default), and the decode-step runner's compiled 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from unittest import mock
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 from inkling2_helpers import (
     ORACLE_TEXT_CONFIG,
+    CountedLaunches,
     build_with_drafter,
     call_under_triton_interpreter,
     cast_keeping_fp32_modules,
@@ -238,6 +240,39 @@ def test_compiled_decode_and_verification_steps_take_the_fused_mixes_whole():
         assert result["difference"] == 0, result  # the same kernels as the eager steps, in the same order
 
 
+def steps_through_the_experts_terms() -> dict:
+    """Where the experts take the hub kernel (patched so: its Triton kernels run here under the interpreter, as on a
+    GPU), the tiny model's steps with the layer ends adding the experts' terms: eager with
+    `INKLING2_FUSED_EXPERT_SUM` on and off (`switched_step_differences`: steps of 1 to 8 tokens), and two compiled
+    decode steps against the same steps eager (`compiled_step_launches`); the layer ends' launches counted by how
+    many routes they add up."""
+    from transformers_inkling2.backends import convolution_kernel, kernel_loading
+    from transformers_inkling2.modeling.experts import Inkling2Experts, Inkling2ExpertsBase
+
+    ends = (convolution_kernel, "_step_convolution_kernel", "ROUTES")
+    with contextlib.ExitStack() as stack:
+        for storage in (Inkling2ExpertsBase, Inkling2Experts):
+            stack.enter_context(mock.patch.object(storage, "takes_kernel", lambda self, x, weights: True))
+        stack.enter_context(mock.patch.object(kernel_loading.moe_kernel().ops, "_runs_kernels", lambda x, fmt: True))
+        with CountedLaunches(*ends) as launches:
+            results = dict(eager=switched_step_differences([kernel_loading.TERMS_ENV], []))
+        results["eager_launches"] = launches
+        compiled = compiled_step_launches({kernel_loading.TERMS_ENV: "1"}, [ends], (1, 1))
+        results["compiled"] = dict(difference=compiled["difference"], launches=compiled["launches"][0])
+    return results
+
+
+@needs_triton
+def test_layer_ends_add_the_experts_terms_eager_and_compiled():
+    """Six eager steps (12 layer ends each) add the top-2 routes' terms switched on and none switched off (the
+    experts' combine kernel then), with the same logits bit for bit; the compiled steps trace whole and take the
+    terms path too, with the eager steps' logits exactly."""
+    results = call_under_triton_interpreter(steps_through_the_experts_terms)
+    assert results["eager_launches"] == {"2": 12 * 6, "0": 12 * 6}, results
+    assert results["eager"]["calls"] == 0 and results["eager"]["difference"] == 0, results
+    assert results["compiled"] == dict(difference=0, launches={"2": 12 * 2}), results
+
+
 @pytest.mark.parametrize(
     "switch, interpreter, fused", [(None, "1", True), ("1", "1", True), ("0", "1", False), (None, None, False)]
 )
@@ -388,9 +423,10 @@ def test_gpu_layer_ends_adding_the_experts_terms_equal_the_experts_own_sum():
     bit for bit; the prefill keeps the kernel's sum."""
     from transformers_inkling2.backends import convolution_kernel, kernel_loading
 
-    kernels = [(convolution_kernel, "step_convolution_of_terms")]
-    results = switched_step_differences([kernel_loading.TERMS_ENV], kernels, "cuda", torch.bfloat16)
-    assert results["calls_by_kernel"] == {"step_convolution_of_terms": 12 * 6}
+    with CountedLaunches(convolution_kernel, "_step_convolution_kernel", "ROUTES") as launches:
+        results = switched_step_differences([kernel_loading.TERMS_ENV], [], "cuda", torch.bfloat16)
+    # the layers' ends of the six steps, switched on (the top-k routes added up) and off (none)
+    assert launches.pop("0") == 12 * 6 and list(launches.values()) == [12 * 6] and results["calls"] == 0
     assert results["difference"] == 0 and results["prefill"] == 0
 
 

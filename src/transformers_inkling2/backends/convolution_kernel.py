@@ -142,7 +142,8 @@ def _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, rows, channels, 
                   ROUTES: tl.constexpr, PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """x[b, t, chans] (x contiguous [batch, TOKENS, C]) = the terms of token n = b * TOKENS + t (terms [PARTS, rows,
     ROUTES, C] fp32, ids [rows, ROUTES]) added in route order, each route's parts in order, skipping routes to ids
-    outside [0, num_experts), and rounded to x's dtype: the experts' combine, sum for sum."""
+    outside [0, num_experts), rounded to bf16 and then to x's dtype: the experts' combine, sum for sum, and the
+    experts' output as the model takes it."""
     tokens = tl.arange(0, BLOCK_T)
     token_ok = tokens < TOKENS
     n = b * TOKENS + tokens
@@ -154,7 +155,7 @@ def _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, rows, channels, 
             term_rows = terms_ptr + ((part * rows + n) * ROUTES + route)[:, None] * channels
             total += tl.load(term_rows + chans[None, :], mask=routed, other=0.0)
     destination = x_ptr + n[:, None] * channels + chans[None, :]
-    tl.store(destination, total.to(x_ptr.dtype.element_ty), mask=token_ok[:, None] & chan_ok)
+    tl.store(destination, total.to(tl.bfloat16).to(x_ptr.dtype.element_ty), mask=token_ok[:, None] & chan_ok)
 
 
 @triton.jit
@@ -209,44 +210,34 @@ def step_convolution(
     weight: torch.Tensor,
     divisor: float,
     residual: Optional[torch.Tensor] = None,  # noqa: UP045
+    terms: Optional[torch.Tensor] = None,  # noqa: UP045
+    expert_ids: Optional[torch.Tensor] = None,  # noqa: UP045
+    num_experts: int = 0,
 ) -> torch.Tensor:
     """A decode step's `(conv(context) + x) / divisor` in one launch, reading its context from the static cache's
     ring and writing the step's inputs into it (what `Inkling2StaticLayerCache.convolution_context` and the
     module's `F.conv1d` do in several). x [batch, T, C]; token_mask [batch, T] or None; ring [batch, C, slots] fp32;
     history_slots / history_held [k - 1] and write_slots [T], the step's `StepSlots`; weight [C, k] fp32; residual
     [batch, T, C] or None: added (in fp32) to the output rounded to x's dtype, as a decoder layer ends. Returns a
-    contiguous [batch, T, C] in x's dtype. A custom op: the compiled decode steps call it as it is."""
-    return _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual)
+    contiguous [batch, T, C] in x's dtype. A custom op: the compiled decode steps call it as it is.
 
-
-@torch.library.custom_op("inkling2::step_convolution_of_terms", mutates_args=("ring",))
-def step_convolution_of_terms(
-    terms: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_experts: int,
-    token_mask: Optional[torch.Tensor],  # noqa: UP045
-    ring: torch.Tensor,
-    history_slots: torch.Tensor,
-    history_held: torch.Tensor,
-    write_slots: torch.Tensor,
-    weight: torch.Tensor,
-    divisor: float,
-    residual: Optional[torch.Tensor],  # noqa: UP045
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """`step_convolution` of the routed experts' output given as its terms (`RouteTerms`: terms fp32 [parts,
-    batch * T, top_k, C], expert_ids [batch * T, top_k]), which the same launch adds first, as the experts'
-    combine would (route order, each route's parts in order, routes to ids outside [0, num_experts) skipped,
-    rounded to like's dtype): the combine's launch and its output's round trip go. like: a [batch, T, C] tensor of
-    the output's shape and dtype (the MoE's input)."""
-    parts, rows, routes, channels = terms.shape
-    if expert_ids.shape != (rows, routes) or rows != like.shape[0] * like.shape[1] or channels != like.shape[2]:
-        raise ValueError(
-            f"Expected terms [parts, batch * T, top_k, C] and expert ids [batch * T, top_k] for an output "
-            f"{tuple(like.shape)}, got {tuple(terms.shape)} and {tuple(expert_ids.shape)}."
-        )
-    x = torch.empty_like(like, memory_format=torch.contiguous_format)  # the sum, which the kernel writes and reads
-    routed = (terms.contiguous(), expert_ids.contiguous(), num_experts)
+    With `terms` (the routed experts' output as its terms, `RouteTerms`: fp32 [parts, batch * T, top_k, C], and
+    expert_ids [batch * T, top_k]) the step's input is their sum, which the same launch makes first, as the experts'
+    combine would (route order, each route's parts in order, routes to ids outside [0, num_experts) skipped, rounded
+    to bf16, then to x's dtype): the combine's launch and its output's round trip go. x then gives the input's shape
+    and dtype only (the MoE's input): its values are not read."""
+    routed = None
+    if terms is not None:
+        parts, rows, routes, channels = terms.shape
+        if expert_ids is None or expert_ids.shape != (rows, routes) or (rows, channels) != (x.shape[0] * x.shape[1],
+                                                                                            x.shape[2]):
+            raise ValueError(
+                f"Expected terms [parts, batch * T, top_k, C] and expert ids [batch * T, top_k] for an input "
+                f"{tuple(x.shape)}, got {tuple(terms.shape)} and "
+                f"{None if expert_ids is None else tuple(expert_ids.shape)}."
+            )
+        x = torch.empty_like(x, memory_format=torch.contiguous_format)  # the sum: the kernel writes it and reads it
+        routed = (terms.contiguous(), expert_ids.contiguous(), num_experts)
     return _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual,
                              routed)  # fmt: skip
 
@@ -282,14 +273,9 @@ def _step_convolution(x, token_mask, ring, history_slots, history_held, write_sl
 
 
 @step_convolution.register_fake
-def _(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual=None):
+def _(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual=None, terms=None,
+      expert_ids=None, num_experts=0):  # fmt: skip
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@step_convolution_of_terms.register_fake
-def _(terms, expert_ids, num_experts, token_mask, ring, history_slots, history_held, write_slots, weight, divisor,
-      residual, like):  # fmt: skip
-    return torch.empty_like(like, memory_format=torch.contiguous_format)
-
-
-__all__ = ["short_convolution", "step_convolution", "step_convolution_of_terms"]
+__all__ = ["short_convolution", "step_convolution"]

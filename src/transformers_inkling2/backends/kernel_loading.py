@@ -81,46 +81,23 @@ def routed_experts(
     w2_scale: torch.Tensor | None = None,
     w13_outer: torch.Tensor | None = None,
     w2_outer: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
-    """`moe_kernel().moe_forward` (same arguments; bf16 [T, H] out) as a custom op: `torch.compile` (the compiled
-    decode steps) calls the kernel as it is. Traced into, its Gluon kernels (NVFP4 / MXFP8 decode) would be handed
-    to Inductor's Triton compiler, which cannot build them."""
+    """`moe_kernel().moe_forward` (same arguments; bf16 [T, H] out, or with `combine=False` the sum's terms, fp32
+    [parts, T, top_k, H]) as a custom op: `torch.compile` (the compiled decode steps) calls the kernel as it is.
+    Traced into, its Gluon kernels (NVFP4 / MXFP8 decode) would be handed to Inductor's Triton compiler, which cannot
+    build them."""
+    terms = {} if combine else dict(combine=False)  # (a kernel build without the option takes the default call)
     return moe_kernel().moe_forward(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale=w13_scale,
                                     w2_scale=w2_scale, w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap,
-                                    up_cap=up_cap)  # fmt: skip
+                                    up_cap=up_cap, **terms)  # fmt: skip
 
 
 @routed_experts.register_fake
 def _(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, w13_scale=None, w2_scale=None, w13_outer=None,
-      w2_outer=None):
-    return x.new_empty(x.shape, dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("inkling2::routed_expert_terms", mutates_args=())
-def routed_expert_terms_op(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    routing_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    fmt: str,
-    gate_cap: float,
-    up_cap: float,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    w13_outer: torch.Tensor | None = None,
-    w2_outer: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`moe_forward(..., combine=False)`, the terms of the experts' sum (fp32 [parts, T, top_k, H]), as a custom op,
-    as `routed_experts`."""
-    return moe_kernel().moe_forward(x, expert_ids, routing_weights, w13, w2, fmt, w13_scale=w13_scale,
-                                    w2_scale=w2_scale, w13_outer=w13_outer, w2_outer=w2_outer, gate_cap=gate_cap,
-                                    up_cap=up_cap, combine=False)  # fmt: skip
-
-
-@routed_expert_terms_op.register_fake
-def _(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, w13_scale=None, w2_scale=None, w13_outer=None,
-      w2_outer=None):
+      w2_outer=None, combine=True):
+    if combine:
+        return x.new_empty(x.shape, dtype=torch.bfloat16)
     parts = moe_kernel().slot_output_parts(x, expert_ids, w13, w2, fmt)  # from sizes and the device only
     return x.new_empty(parts, *expert_ids.shape, x.shape[-1], dtype=torch.float32)
 
@@ -133,8 +110,8 @@ def kernel_returns_terms() -> bool:
 
 
 def routed_expert_terms(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, **scales):
-    """`routed_expert_terms_op`, or None from a kernel without the option or with `INKLING2_FUSED_EXPERT_SUM=0`: the
-    caller then takes the kernel's sum."""
+    """`routed_experts(..., combine=False)`, or None from a kernel without the option or with
+    `INKLING2_FUSED_EXPERT_SUM=0`: the caller then takes the kernel's sum."""
     if not kernel_returns_terms() or os.environ.get(TERMS_ENV, "1") == "0":
         return None
-    return routed_expert_terms_op(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, **scales)
+    return routed_experts(x, expert_ids, routing_weights, w13, w2, fmt, gate_cap, up_cap, **scales, combine=False)

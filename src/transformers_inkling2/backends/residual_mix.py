@@ -156,14 +156,13 @@ def fused_residual_step_convolution(
     if ring is None:
         return None
     ring_buffer, step, weight, divisor = ring
-    from .convolution_kernel import step_convolution, step_convolution_of_terms  # Triton, where the kernel runs
+    from .convolution_kernel import step_convolution  # Triton, imported where the kernel runs
 
     convolved = (token_mask, ring_buffer, step.history_slots, step.history_held, step.conv_write, weight, divisor)
 
     def end(mlp_output: torch.Tensor | RouteTerms) -> torch.Tensor:
-        if isinstance(mlp_output, RouteTerms):
-            terms, expert_ids, experts = mlp_output
-            return step_convolution_of_terms(terms, expert_ids, experts, *convolved, partial, mlp_input)
+        if isinstance(mlp_output, RouteTerms):  # the MoE's input gives the output's shape and dtype
+            return step_convolution(mlp_input, *convolved, partial, *mlp_output)
         return step_convolution(mlp_output, *convolved, partial)
 
     return end

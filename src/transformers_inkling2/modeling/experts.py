@@ -62,8 +62,8 @@ class RouteTerms(NamedTuple):
     """The routed experts' output before its sum (`Inkling2ExpertsBase.route_terms`), for a kernel that adds it up
     itself: `terms`, each route's routing-weighted output, fp32 [parts, N, top_k, H] (`parts`: the kernel's split of
     the down projection's reduction), and the routes' `expert_ids` [N, top_k]. Added per token in route order, each
-    route's parts in order, and rounded to the activations' dtype, they are the experts' output bit for bit; a route
-    to an id outside [0, num_experts) holds no term (it is skipped)."""
+    route's parts in order, and rounded to bf16 (then to the activations' dtype), they are the experts' output bit for
+    bit; a route to an id outside [0, num_experts) holds no term (it is skipped)."""
 
     terms: torch.Tensor
     expert_ids: torch.Tensor

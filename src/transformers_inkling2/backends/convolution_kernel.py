@@ -161,8 +161,8 @@ def _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, rows, channels, 
 @triton.jit
 def _step_convolution_kernel(
     x_ptr, mask_ptr, ring_ptr, history_slots_ptr, history_held_ptr, write_slots_ptr, weight_ptr, residual_ptr,
-    out_ptr, terms_ptr, ids_ptr, channels, divisor, rows, num_experts, stride_xb, stride_xt, stride_xc, stride_mb,
-    stride_mt, stride_rb, stride_rc, stride_rs, stride_wc, stride_wk, stride_eb, stride_et, stride_ec,
+    out_ptr, terms_ptr, ids_ptr, channels, divisor, routed_rows, num_experts, stride_xb, stride_xt, stride_xc,
+    stride_mb, stride_mt, stride_rb, stride_rc, stride_rs, stride_wc, stride_wk, stride_eb, stride_et, stride_ec,
     TOKENS: tl.constexpr, KERNEL_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ROUTES: tl.constexpr, PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -177,8 +177,8 @@ def _step_convolution_kernel(
     chans = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_ok = (chans < channels)[None, :]
     if ROUTES > 0:
-        _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, rows, channels, num_experts, TOKENS, ROUTES, PARTS,
-                      BLOCK_T, BLOCK_C)
+        _summed_terms(terms_ptr, ids_ptr, x_ptr, b, chans, chan_ok, routed_rows, channels, num_experts, TOKENS, ROUTES,
+                      PARTS, BLOCK_T, BLOCK_C)
         tl.debug_barrier()
     x_rows = x_ptr + b * stride_xb + chans[None, :] * stride_xc
     ring_rows = ring_ptr + b * stride_rb + chans[None, :] * stride_rc
@@ -226,26 +226,21 @@ def step_convolution(
     combine would (route order, each route's parts in order, routes to ids outside [0, num_experts) skipped, rounded
     to bf16, then to x's dtype): the combine's launch and its output's round trip go. x then gives the input's shape
     and dtype only (the MoE's input): its values are not read."""
-    routed = None
+    batch, length, channels = x.shape
     if terms is not None:
-        parts, rows, routes, channels = terms.shape
-        if expert_ids is None or expert_ids.shape != (rows, routes) or (rows, channels) != (x.shape[0] * x.shape[1],
-                                                                                            x.shape[2]):
+        parts, routed_rows, routes, _ = terms.shape
+        expected = (batch * length, routes, channels)
+        if expert_ids is None or expert_ids.shape != (routed_rows, routes) or terms.shape[1:] != expected:
             raise ValueError(
                 f"Expected terms [parts, batch * T, top_k, C] and expert ids [batch * T, top_k] for an input "
                 f"{tuple(x.shape)}, got {tuple(terms.shape)} and "
                 f"{None if expert_ids is None else tuple(expert_ids.shape)}."
             )
         x = torch.empty_like(x, memory_format=torch.contiguous_format)  # the sum: the kernel writes it and reads it
-        routed = (terms.contiguous(), expert_ids.contiguous(), num_experts)
-    return _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual,
-                             routed)  # fmt: skip
-
-
-def _step_convolution(x, token_mask, ring, history_slots, history_held, write_slots, weight, divisor, residual,
-                      routed: tuple | None = None) -> torch.Tensor:
-    """Both ops' launch; routed: (terms, expert_ids, num_experts), whose sum the kernel writes into x first."""
-    batch, length, channels = x.shape
+        terms, expert_ids = terms.contiguous(), expert_ids.contiguous()
+    else:
+        parts, routed_rows, routes = 1, 0, 0
+        terms = expert_ids = x  # placeholders, never read
     kernel_size = weight.shape[-1]
     if ring.shape[:2] != (batch, channels) or weight.shape[0] != channels or write_slots.numel() != length:
         raise ValueError(
@@ -259,12 +254,10 @@ def _step_convolution(x, token_mask, ring, history_slots, history_held, write_sl
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     mask, mask_strides = (x, (0, 0)) if token_mask is None else (token_mask, token_mask.stride())
     added, added_strides = (x, (0, 0, 0)) if residual is None else (residual, residual.stride())
-    terms, expert_ids, num_experts = (x, x, 0) if routed is None else routed
-    parts, rows, routes = (1, 0, 0) if routed is None else terms.shape[:3]
     pdl = dependent_launch(x)
     _step_convolution_kernel[(triton.cdiv(channels, BLOCK_C), batch)](
         x, mask, ring, history_slots, history_held, write_slots, weight, added, out, terms, expert_ids, channels,
-        divisor, rows, num_experts, *x.stride(), *mask_strides, *ring.stride(), *weight.stride(), *added_strides,
+        divisor, routed_rows, num_experts, *x.stride(), *mask_strides, *ring.stride(), *weight.stride(), *added_strides,
         TOKENS=length, KERNEL_SIZE=kernel_size, HAS_MASK=token_mask is not None, HAS_RESIDUAL=residual is not None,
         ROUTES=routes, PARTS=parts, BLOCK_T=triton.next_power_of_2(length), BLOCK_C=BLOCK_C, PDL=pdl,
         num_warps=NUM_WARPS, enable_fp_fusion=False, launch_pdl=pdl,

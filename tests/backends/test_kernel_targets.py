@@ -461,6 +461,18 @@ def test_hopper_only_kernels_run_on_hopper_and_never_on_blackwell(compiled, laun
         assert not hopper & names(launches[capability]), capability
 
 
+def test_the_projections_launch_both_tiles(launches):
+    """The full-width layer's projections take `TILE`, the TP4-shaped layer's (a grid of at most one program per SM)
+    `DEEP_TILE`: both are among the kernels compiled above."""
+    from transformers_inkling2.backends.projection_kernel import DEEP_TILE, TILE
+
+    for capability in (HOPPER, BLACKWELL):
+        tiles = {(launch.options["BLOCK_N"], launch.options["BLOCK_K"], launch.options["num_warps"],
+                  launch.options["STAGES"]) for launch in launches[capability]
+                 if launch.name == "projection_kernel._grouped_kernel"}  # fmt: skip
+        assert tiles == {TILE, DEEP_TILE}, (capability, tiles)
+
+
 def test_blackwell_generations_launch_the_same_kernels_as_b200(launches):
     """B300 / GB300 (10.3) and RTX Blackwell (12.0) take exactly what the compiled B200 (10.0) set holds."""
     for capability in (BLACKWELL_ULTRA, RTX_BLACKWELL):

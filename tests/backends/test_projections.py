@@ -52,7 +52,7 @@ from transformers_inkling2.backends.projections import MAX_ROWS
 # (as many SMs as programs or more)
 results = {}
 for sms in (0, 64):
-    projection_kernel.multiprocessors = lambda device: sms
+    projection_kernel.multiprocessors = lambda tensor: sms
     for seed, (rows, width) in enumerate([(1, 200), (5, 96), (11, 160), (16, 320)]):
         dtype = torch.float16
         outputs = [48, 48, 12, 3, 16, 17] if seed % 2 == 0 else [40, 7, 33]

@@ -92,9 +92,9 @@ def launch_config(rows: int, widths: list[int], multiprocessors: int) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
 
 
-def multiprocessors(device: torch.device) -> int:
-    """The GPU's SMs; 0 off CUDA (CPU tensors under Triton's interpreter: TILE)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+def multiprocessors(tensor: torch.Tensor) -> int:
+    """The SMs of the GPU `tensor` is on; 0 off CUDA (CPU tensors under Triton's interpreter: TILE)."""
+    return torch.cuda.get_device_properties(tensor.device).multi_processor_count if tensor.is_cuda else 0
 
 
 def _new_outputs(inputs, weights) -> list[torch.Tensor]:
@@ -110,7 +110,7 @@ def grouped_projections(inputs: list[torch.Tensor], weights: list[torch.Tensor])
     outputs = _new_outputs(inputs, weights)
     rows, width = inputs[0].shape
     widths = [w.shape[0] for w in weights]
-    config = launch_config(rows, widths, multiprocessors(inputs[0].device))
+    config = launch_config(rows, widths, multiprocessors(inputs[0]))
     padding = MAX_WEIGHTS - len(weights)
     xs, ws, ys = (list(group) + [group[0]] * padding for group in (inputs, weights, outputs))
     widths += [0] * padding

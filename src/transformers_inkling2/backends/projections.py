@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..modeling.interfaces import has_forward_hooks
 from ..modeling.tensors import LOCAL_BLOCK_LINEAR, differentiable, local_tensor, plain_contiguous
 
 # batch x tokens of a step; at 64 rows cuBLAS was faster (docs/benchmarks.md), and prompts are GEMMs, its business
@@ -29,7 +30,7 @@ def plain_weight(module: nn.Module, width: int, dtype: torch.dtype) -> torch.Ten
     """The weight of a bias-free, hook-free `nn.Linear` over `width` inputs as an ordinary contiguous tensor of
     `dtype` (this rank's block under `inkling2_colwise`), or None (anything else: a LoRA wrapper, another parallel
     style's hooks, DTensor or forward, a bias, another dtype)."""
-    if type(module) is not nn.Linear or module.bias is not None or module._forward_hooks or module._forward_pre_hooks:
+    if type(module) is not nn.Linear or module.bias is not None or has_forward_hooks(module):
         return None
     if getattr(module, LOCAL_BLOCK_LINEAR, False):
         weight = local_tensor(module.weight)

@@ -18,6 +18,8 @@ model loads none of them. `transformers_inkling2/__init__.py` fills the registri
   hooks see the loaded model and its loading info.
 - `GENERATION_HOOKS`: what `generate()` adds to transformers' own ("generate": DSpark decoding; "compiled_call": the
   decode steps replayed as CUDA graphs).
+
+And `has_forward_hooks`: the one question every fast path asks of a module before computing in its place.
 """
 
 from __future__ import annotations
@@ -81,10 +83,24 @@ class Registry:
             self.get(name)
 
 
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether someone hooked the module's forward: a fast path that computes what the module would, without calling
+    it, must leave such a module to its own forward (its hooks expect to run, and to see its output)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 ATTENTION_BACKENDS = Registry("attention implementation")
 EXPERT_STORAGES = Registry("expert storage")
 KERNELS = Registry("kernel")
 LOADING_HOOKS = Registry("loading hook")
 GENERATION_HOOKS = Registry("generation hook")
 
-__all__ = ["ATTENTION_BACKENDS", "EXPERT_STORAGES", "GENERATION_HOOKS", "KERNELS", "LOADING_HOOKS", "Registry"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "EXPERT_STORAGES",
+    "GENERATION_HOOKS",
+    "KERNELS",
+    "LOADING_HOOKS",
+    "Registry",
+    "has_forward_hooks",
+]

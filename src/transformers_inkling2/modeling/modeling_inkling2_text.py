@@ -38,7 +38,14 @@ from ..configuration_inkling2 import SLIDING_LAYER, Inkling2Config, Inkling2Text
 from .activation_memory import SMALL_CHUNK_GRANULE, automatic_prefill_chunk
 from .attention import PAGED_KEYS_BACKEND, default_attention_backend, eager_attention, get_attention_backend
 from .experts import Inkling2Experts, RouteTerms, softcap
-from .interfaces import ATTENTION_BACKENDS, EXPERT_STORAGES, GENERATION_HOOKS, KERNELS, LOADING_HOOKS
+from .interfaces import (
+    ATTENTION_BACKENDS,
+    EXPERT_STORAGES,
+    GENERATION_HOOKS,
+    KERNELS,
+    LOADING_HOOKS,
+    has_forward_hooks,
+)
 from .loading_checks import raise_on_non_finite_weights, raise_on_non_float_tensors, raise_on_unconverted_load
 from .modeling_inkling2_dspark import Inkling2DSparkAttention, Inkling2DSparkDrafter
 from .norms import Inkling2RMSNorm, rms_normalize
@@ -535,8 +542,7 @@ class Inkling2DecoderLayer(GradientCheckpointingLayer):
         at = (token_mask, cache, query_positions)
         end = None if fused is None else fused(convolution, mlp_input, *at, partial, dtype)
         if end is not None:
-            hooked = bool(self.mlp._forward_hooks or self.mlp._forward_pre_hooks)
-            return end(self.mlp(mlp_input, summed=hooked))
+            return end(self.mlp(mlp_input, summed=has_forward_hooks(self.mlp)))
         return (partial + fp32_operand(convolution(self.mlp(mlp_input), *at))).to(dtype)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ...cache.common import MAX_STEP_TOKENS
 from ...modeling.modeling_inkling2_text import Inkling2RelativeLogits, Inkling2ScaledL2Clip
+from ...modeling.interfaces import has_forward_hooks
 from ...modeling.tensors import differentiable, local_tensor
 from .flex import (
     inkling2_auto_attention,
@@ -58,7 +59,7 @@ def kernel_runs_on(tensor: torch.Tensor) -> bool:
 def plain_module(module: nn.Module, kind: type) -> bool:
     """Whether `module` is exactly this package's `kind`, without hooks: what a kernel that reads its parameters in
     place of calling it computes the same as it."""
-    return type(module) is kind and not (module._forward_hooks or module._forward_pre_hooks)
+    return type(module) is kind and not has_forward_hooks(module)
 
 
 def runs_fused(attention: nn.Module, backend, query_states: torch.Tensor, key: torch.Tensor) -> bool:

@@ -66,6 +66,13 @@ def copies_past_l2(read: int) -> int:
     return max(2, -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // read))
 
 
+def cold_attention_linears(heads: int, kv_heads: int, generator) -> list[list[nn.Linear]]:
+    """Copies of one shape's six projections (each its own random weights), enough that the L2 cannot hold them."""
+    first = attention_linears(heads, kv_heads, generator)
+    more = copies_past_l2(weight_bytes(first)) - 1
+    return [first] + [attention_linears(heads, kv_heads, generator) for _ in range(more)]
+
+
 def cold_us(call, copies: list) -> float:
     """us per `call(copy)` with the weights read from memory: one CUDA graph calls it on each copy in turn, twice."""
     order = copies * 2
@@ -77,9 +84,8 @@ def compare(bandwidth: float) -> list[dict]:
     rows_out = []
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     for shape, (heads, kv_heads) in SHAPES.items():
-        first = attention_linears(heads, kv_heads, generator)
-        read = weight_bytes(first)
-        copies = [first] + [attention_linears(heads, kv_heads, generator) for _ in range(copies_past_l2(read) - 1)]
+        copies = cold_attention_linears(heads, kv_heads, generator)
+        read = weight_bytes(copies[0])
         for rows in ROWS:
             x = torch.randn(rows, 1, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
 
@@ -93,7 +99,7 @@ def compare(bandwidth: float) -> list[dict]:
                 us = cold_us(fn, copies)
                 rows_out.append(dict(shape=shape, rows=rows, path=name, us=us, share=read / us / 1e3 / bandwidth))
                 print(rows_out[-1], flush=True)
-        del copies, first
+        del copies
     return rows_out
 
 
@@ -104,9 +110,7 @@ def sweep() -> dict[str, tuple[tuple, float]]:
     tiles = projection_kernel.TILE, projection_kernel.DEEP_TILE
     fastest = {}
     for shape, (heads, kv_heads) in SHAPES.items():
-        first = attention_linears(heads, kv_heads, generator)
-        copies = [first] + [attention_linears(heads, kv_heads, generator)
-                            for _ in range(copies_past_l2(weight_bytes(first)) - 1)]  # fmt: skip
+        copies = cold_attention_linears(heads, kv_heads, generator)
         inputs = [torch.randn(rows, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
                   for rows in SWEEP_ROWS]  # fmt: skip
         timings = {}
@@ -120,7 +124,7 @@ def sweep() -> dict[str, tuple[tuple, float]]:
         ranked = sorted(timings.items(), key=lambda item: item[1])
         print(shape, "fastest", ranked[:5], flush=True)
         fastest[shape] = ranked[0]
-        del copies, first
+        del copies
     projection_kernel.TILE, projection_kernel.DEEP_TILE = tiles
     return fastest
 

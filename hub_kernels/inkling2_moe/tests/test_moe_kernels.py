@@ -307,14 +307,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     ids, _ = t.realistic_routing(5, 16, 4, gen)
     ids[1, 2] = -1
     cfg = km.pick_config(ids.numel(), 16, "nvfp4")
-    routing, x_in, x_scale, _ = ops._routing_and_inputs(x, ids, None, 16, 64, "nvfp4", cfg, x)
+    tickets = torch.full((1500,), 7, dtype=torch.int32)  # the split register GEMM's counters, which it zeroes
+    routing, x_in, x_scale, _, zeroed = ops._routing_and_inputs(x, ids, None, 16, 64, "nvfp4", cfg, x, tickets)
     a = km.route_reference(ids, 16, cfg.block_m)
     x16, xs = torch.empty(5, 256, dtype=torch.float16), torch.empty(5)
     ops._kernels()._x_to_f16_kernel[(5,)](x, x.stride(0), x16, xs, 256, DEINTERLEAVE=True, BLOCK=256)
     results["route and convert in one launch"] = (
         all(torch.equal(getattr(a, f), getattr(routing, f))
             for f in ("sorted_slots", "slot_position", "expert_offsets", "tile_expert", "tile_start"))
-        and torch.equal(x_in, x16) and torch.equal(x_scale, xs) and bool(xs[2] > 1))
+        and torch.equal(x_in, x16) and torch.equal(x_scale, xs) and bool(xs[2] > 1)
+        and zeroed is tickets and not tickets.any())
 
     def trunc_bf16(v):  # the interpreter casts fp32 -> bf16 by truncation
         return (v.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
@@ -531,7 +533,8 @@ def test_gpu_register_gemv_matches_triton_and_oracle(km, fmt, tokens, split):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
 def test_gpu_default_config_splits_a_sparse_register_grid(km, fmt):
     """One token over 96 experts, top-2 (one GPU's share at TP4/EP4), full-size experts: the default config splits the
-    reductions (`_register_split`), and the result matches the unsplit register kernels and the oracle."""
+    reductions (`_register_split`), and the result matches the split sums' SwiGLU in its own launch bit for bit, the
+    unsplit register kernels and the oracle."""
     w = {name: tensor[:96] for name, tensor in full_size_weights(fmt).items()}
     gen = torch.Generator(device="cuda").manual_seed(61)
     x = torch.randn(1, FULL["hidden"], generator=gen, device="cuda").bfloat16()
@@ -541,6 +544,11 @@ def test_gpu_default_config_splits_a_sparse_register_grid(km, fmt):
     assert picked.split_k > 1
     out = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w))
     assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=picked))
+    # the SwiGLU of the split sums in the gate/up kernel's last program per block, as `_swiglu_kernel` computes it
+    # (a routing given: the routing launch does not zero the programs' counters, so the separate kernel runs)
+    routing = km.route(ids, 96, picked.block_m)
+    assert torch.equal(out, km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w), config=picked,
+                                           routing=routing))
     unsplit = km.moe_forward(x, ids, rw, w["w13"], w["w2"], fmt, **kwargs_of(w),
                              config=km.pick_config(2, 96, fmt, register_gemv=True))
     assert rel_err(out, unsplit) <= 1e-2

@@ -324,11 +324,13 @@ def _kernel_weights(fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, plac
                           _as_bytes(w2_scale, down).contiguous(), gate_up_outer, down_outer)  # fmt: skip
 
 
-def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config, placeholder):
+def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config, placeholder, tickets=None):
     """(the routing, unless one is given; what the gate/up GEMM reads; its per-token scale; the [slots, I] buffer its
-    SwiGLU output goes to). NVFP4 and the register kernels multiply in f16: each token scaled by a power of two into
-    f16 range (NVFP4: its inputs de-interleaved, see the kernels). Where one program ranks every slot (decode steps)
-    that conversion and the routing share one launch; the other formats read the bf16 x as it is."""
+    SwiGLU output goes to; `tickets` zeroed, or None). NVFP4 and the register kernels multiply in f16: each token
+    scaled by a power of two into f16 range (NVFP4: its inputs de-interleaved, see the kernels). Where one program
+    ranks every slot (decode steps) that conversion and the routing share one launch, which also zeroes `tickets`
+    (int32), the counters with which a split register gate/up GEMM's last program per block applies the SwiGLU (no
+    `_swiglu_kernel` launch); elsewhere they are not used (None). The other formats read the bf16 x as it is."""
     tokens, hidden = x.shape
     slots = expert_ids.numel()
     f16_input = fmt == "nvfp4" or config.register_gemv
@@ -336,7 +338,7 @@ def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
     if routing is None and not fused:
         routing = _route_triton(expert_ids, num_experts, config.block_m)
     if not f16_input:
-        return routing, x, placeholder, torch.empty(slots, inter, dtype=torch.bfloat16, device=x.device)
+        return routing, x, placeholder, torch.empty(slots, inter, dtype=torch.bfloat16, device=x.device), None
     kernels = _kernels()
     x_in = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
     x_scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
@@ -346,12 +348,15 @@ def _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
         ids = expert_ids.contiguous()
         routing = _empty_routing(ids, num_experts, config.block_m)
         args, sizes = _routing_launch(ids, routing)
-        kernels._route_and_convert_kernel[(1 + tokens,)](*args, x, x.stride(0), x_in, x_scale, hidden,
-                                                         RB=_rank_block(slots), **sizes, **conversion)  # fmt: skip
+        kernels._route_and_convert_kernel[(1 + tokens,)](
+            *args, x, x.stride(0), x_in, x_scale, hidden, placeholder if tickets is None else tickets,
+            0 if tickets is None else tickets.numel(), RB=_rank_block(slots), **sizes, **conversion,
+        )  # fmt: skip
     else:
         kernels._x_to_f16_kernel[(tokens,)](x, x.stride(0), x_in, x_scale, hidden, **conversion)
+        tickets = None
     # (MXFP8 with split K: `_swiglu_kernel` stores its bf16 values here, exactly: |act| <= 100)
-    return routing, x_in, x_scale, torch.empty(slots, inter, dtype=torch.float16, device=x.device)
+    return routing, x_in, x_scale, torch.empty(slots, inter, dtype=torch.float16, device=x.device), tickets
 
 
 def _splits(config: KernelConfig, fmt: str, hidden: int, inter: int) -> tuple[int, int]:
@@ -362,9 +367,10 @@ def _splits(config: KernelConfig, fmt: str, hidden: int, inter: int) -> tuple[in
     return _split_k(hidden, config.split_k), _split_k(inter, config.split_k)
 
 
-def _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split, partial_out) -> None:
+def _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split, partial_out, tickets) -> None:
     """act = softcapped SwiGLU of each slot's gate/up products (with split K: fp32 partial sums to partial_out, the
-    SwiGLU after them in `_swiglu_kernel`)."""
+    SwiGLU after them in the register kernel's last program per block where `tickets` counts them, else in
+    `_swiglu_kernel`)."""
     config, tiles, n_tiles = problem.config, problem.tiles, problem.routing.tile_expert.numel()
     w, scale = weights.gate_up, weights.gate_up_scale
     caps = (float(gate_cap), float(up_cap))
@@ -372,8 +378,9 @@ def _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split, part
         register = _register_kernels()
         register._gate_up_kernel[(n_tiles, problem.inter // register.FEATURES.value, split)](
             x_in, *tiles, w, w.stride(0), w.stride(1), scale, scale.stride(0), scale.stride(1), weights.gate_up_outer,
-            x_scale, act, partial_out, problem.slots, problem.hidden, problem.inter, *caps, TOPK=problem.top_k,
-            SPLIT_K=split, FMT=problem.code, num_warps=register.WARPS.value,
+            x_scale, act, partial_out, partial_out if tickets is None else tickets, problem.slots, problem.hidden,
+            problem.inter, *caps, TOPK=problem.top_k, SPLIT_K=split, TICKETS=tickets is not None, FMT=problem.code,
+            num_warps=register.WARPS.value,
         )  # fmt: skip
         return
     _kernels()._gate_up_kernel[(n_tiles, _cdiv(problem.inter, config.gate_up_n), split)](
@@ -463,14 +470,20 @@ def _expert_kernels(x, expert_ids, routing_weights, fmt, w13, w2, w13_scale, w2_
         x = x.contiguous()
     slot_weights = routing_weights.reshape(-1).float().contiguous()  # also the placeholder of unused arguments
     weights = _kernel_weights(fmt, w13, w2, w13_scale, w2_scale, w13_outer, w2_outer, slot_weights)
-    routing, x_in, x_scale, act = _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
-                                                      slot_weights)  # fmt: skip
-    problem = _Problem(tokens, top_k, hidden, inter, num_experts, fmt, config, routing)
     split_gate_up, split_down = _splits(config, fmt, hidden, inter)
+    tickets = None
+    if config.register_gemv and split_gate_up > 1:  # one per (tile, feature block) of the gate/up grid
+        blocks = inter // _register_kernels().FEATURES.value
+        tiles = max_tiles(expert_ids.numel(), num_experts, config.block_m)
+        tickets = torch.empty(tiles * blocks, dtype=torch.int32, device=x.device)
+    routing, x_in, x_scale, act, tickets = _routing_and_inputs(x, expert_ids, routing, num_experts, inter, fmt, config,
+                                                               slot_weights, tickets)  # fmt: skip
+    problem = _Problem(tokens, top_k, hidden, inter, num_experts, fmt, config, routing)
     partial = torch.empty(split_gate_up if split_gate_up > 1 else 0, problem.slots, 2 * inter, dtype=torch.float32,
                           device=x.device)  # fmt: skip
-    _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split_gate_up, partial if split_gate_up > 1 else y)
-    if split_gate_up > 1:
+    _gate_up(problem, weights, x_in, x_scale, act, gate_cap, up_cap, split_gate_up,
+             partial if split_gate_up > 1 else y, tickets)  # fmt: skip
+    if split_gate_up > 1 and tickets is None:
         _kernels()._swiglu_kernel[(_cdiv(problem.slots, 16), _cdiv(inter, 128))](
             partial, routing.expert_offsets, act, act.stride(0), problem.slots, num_experts, inter, float(gate_cap),
             float(up_cap), FMT=problem.code, SPLIT_K=split_gate_up, BR=16, BC=128, num_warps=4,

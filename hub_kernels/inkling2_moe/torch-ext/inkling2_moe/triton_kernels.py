@@ -351,16 +351,20 @@ def _x_to_f16_kernel(x_ptr, stride_xt, x16_ptr, xs_ptr, H, DEINTERLEAVE: tl.cons
 
 @triton.jit
 def _route_and_convert_kernel(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr,
-                              num_slots, num_experts, n_tiles, x_ptr, stride_xt, x16_ptr, xs_ptr, H,
-                              RB: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr,
+                              num_slots, num_experts, n_tiles, x_ptr, stride_xt, x16_ptr, xs_ptr, H, tickets_ptr,
+                              n_tickets, RB: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr,
                               DEINTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
     """grid (1 + T,): at decode sizes, program 0 routes every slot (`_rank_slots` as one program, tile list
-    included) and program 1 + t converts token t (`_x_row_to_f16`): two independent steps that each took a launch on
-    the path of every decode step, in one."""
+    included) and zeroes the n_tickets counters of the split register gate/up GEMM (`register_kernels`), and
+    program 1 + t converts token t (`_x_row_to_f16`): independent steps that each took a launch on the path of every
+    decode step, in one."""
     p = tl.program_id(0)
     if p == 0:
         _rank_slots(ids_ptr, sorted_ptr, position_ptr, offsets_ptr, tile_expert_ptr, tile_start_ptr, num_slots,
                     num_experts, n_tiles, 0, RB, NB, NB, True, BM, TB)
+        for start in range(0, n_tickets, 1024):
+            offsets = start + tl.arange(0, 1024)
+            tl.store(tickets_ptr + offsets, 0, mask=offsets < n_tickets)
     else:
         _x_row_to_f16(x_ptr, stride_xt, x16_ptr, xs_ptr, H, p - 1, DEINTERLEAVE, BLOCK)
 

@@ -16,7 +16,9 @@
    CUDA graphs (what `generate(..., compile_config=CompileConfig())` runs on a GPU; with `--graphs-only`, captured
    without compiling, what plain `generate()` runs). Per layer means the slope
    between a 2-layer and a 6-layer slice (the last layer full attention, the others sliding) divided by 4, so the
-   embedding, the lm_head and the full layer drop out: kernels launched (from a profile of the replays), bytes
+   embedding, the lm_head and the full layer drop out; both slices are held at once and their steps timed in
+   alternating rounds (the range: single rounds' slopes), so a variant whose two slices do not fit the GPU together
+   reports OOM (MXFP8 needs an H200): kernels launched (from a profile of the replays), bytes
    read (the layer's weights, the experts the batch touches in expectation under uniform routing, its cached keys
    and values), time, and the time of those bytes at the GPU's measured copy bandwidth as % of it; and one layer's
    kernels at batch 1 by GPU time (the same slope, kernel by kernel). Variants:
@@ -326,72 +328,75 @@ def profiled_kernels(step, steps: int = 3) -> tuple[float, float, dict]:
     return sum(c for c, _ in by_name.values()), sum(us for _, us in by_name.values()) / 1000, by_name
 
 
-def slice_decode(model, batch: int, context: int, repeats: int, compiled: bool = True) -> dict:
-    """One decode step after `context` tokens per row, `torch.compile`d inside its CUDA graph unless `compiled` is
-    False: ms (median of `repeats`), kernels, GPU ms, bytes read."""
+ROUNDS = 8  # interleaved rounds of steps timed in turns (`--compare` and the per-layer slope)
+
+
+def interleaved_ms(steps: dict, repeats: int) -> dict[object, list[float]]:
+    """{key: ms of its step in each of ROUNDS rounds}, the steps timed in turns within each round."""
+    times = {key: [] for key in steps}
+    for _ in range(ROUNDS):
+        for key, step in steps.items():
+            times[key].append(cuda_ms(step, warmup=3, repeats=repeats))
+    return times
+
+
+def timed_slices(models: dict, batch: int, args) -> dict:
+    """{layers: its slice's step ms in each of ROUNDS rounds, kernels, GPU ms, bytes read, kernels by name}: the
+    slices' decode steps (`compared_step` as it is, after `args.context` tokens per row) timed in turns, so that a
+    drift of the GPU between two slices timed one after the other cannot move the slope."""
     from full_scale import decode_step_bytes
-    from transformers import CompileConfig
 
-    from transformers_inkling2 import Inkling2DecodeGraphs, Inkling2StaticCache
-
-    cache = Inkling2StaticCache(model.config, context + 64, batch)
-    generator = torch.Generator(device=DEVICE).manual_seed(batch)
-    ids = torch.randint(0, 8000, (batch, context), device=DEVICE, generator=generator)
-    runner = Inkling2DecodeGraphs(model, compile_config=CompileConfig() if compiled else None)
-    token = ids[:, -1:]
-
-    def step():
-        runner(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-
+    compiled = not args.graphs_only
+    steps = {layers: compared_step(model, batch, args.context, "base", compiled)[0] for layers, model in models.items()}
+    slices = {}
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        ms = cuda_ms(step, warmup=3, repeats=repeats)
-        kernels, gpu_ms, by_name = profiled_kernels(step)
-    return dict(ms=ms, kernels=kernels, gpu_ms=gpu_ms, bytes=decode_step_bytes(model, batch, context), by_name=by_name)
+        times = interleaved_ms(steps, args.steps)
+        for layers, step in steps.items():
+            kernels, gpu_ms, by_name = profiled_kernels(step)
+            slices[layers] = dict(ms=times[layers], kernels=kernels, gpu_ms=gpu_ms, by_name=by_name,
+                                  bytes=decode_step_bytes(models[layers], batch, args.context))  # fmt: skip
+    return slices
 
 
 def per_layer_benchmark(args) -> list[dict]:
     bandwidth = copy_bandwidth_gb_s()
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     rows, busiest = [], {}
+    small, large = SLOPE_LAYERS
     for variant in args.per_layer:
-        steps = {}
-        for layers in SLOPE_LAYERS:
-            model = random_slice(layer_slice_config(variant, layers))
-            for batch in args.batches:
-                steps[layers, batch] = guarded(
-                    lambda: slice_decode(model, batch, args.context, args.steps, not args.graphs_only)
-                )
-                print(variant, layers, batch, {k: v for k, v in steps[layers, batch].items() if k != "by_name"}
-                      if isinstance(steps[layers, batch], dict) else steps[layers, batch], flush=True)  # fmt: skip
-            del model
-            torch._dynamo.reset()  # every slice compiles afresh: keep the recompile limit out of the way
-            free_memory()
-        small, large = SLOPE_LAYERS
+        # both slices at once (their steps are timed in turns): one after the other, the same code's slope moved by
+        # up to 0.16 ms between runs (docs/benchmarks.md)
+        models = guarded(lambda: {layers: random_slice(layer_slice_config(variant, layers)) for layers in SLOPE_LAYERS})
         for batch in args.batches:
-            a, b = steps[small, batch], steps[large, batch]
-            if not (isinstance(a, dict) and isinstance(b, dict)):
-                rows.append(dict(variant=variant, batch=batch, error=a if isinstance(b, dict) else b))
+            slices = guarded(lambda: timed_slices(models, batch, args)) if isinstance(models, dict) else models
+            if not isinstance(slices, dict):
+                rows.append(dict(variant=variant, batch=batch, error=slices))
+                print(rows[-1], flush=True)
                 continue
-            per_layer = {key: (b[key] - a[key]) / (large - small) for key in ("ms", "kernels", "gpu_ms", "bytes")}
+            a, b = slices[small], slices[large]
+            per_layer = {key: (b[key] - a[key]) / (large - small) for key in ("kernels", "gpu_ms", "bytes")}
+            per_layer["ms"] = (statistics.median(b["ms"]) - statistics.median(a["ms"])) / (large - small)
+            round_slopes = [(y - x) / (large - small) for x, y in zip(a["ms"], b["ms"], strict=True)]
             roofline_ms = per_layer["bytes"] / bandwidth / 1e6
-            rows.append(dict(variant=variant, batch=batch, **per_layer, roofline_ms=roofline_ms,
-                             roofline_share=roofline_ms / per_layer["ms"], step_ms_2=a["ms"], step_ms_6=b["ms"],
+            rows.append(dict(variant=variant, batch=batch, **per_layer, low=min(round_slopes), high=max(round_slopes),
+                             roofline_ms=roofline_ms, roofline_share=roofline_ms / per_layer["ms"],
+                             step_ms_2=statistics.median(a["ms"]), step_ms_6=statistics.median(b["ms"]),
                              bandwidth_gb_s=bandwidth))  # fmt: skip
-        first = args.batches[0]
-        if isinstance(steps[small, first], dict) and isinstance(steps[large, first], dict):  # one layer's kernels
-            few, many = steps[small, first]["by_name"], steps[large, first]["by_name"]
-            kernels = {name: [(many.get(name, (0, 0))[i] - few.get(name, (0, 0))[i]) / (large - small)
-                              for i in (0, 1)] for name in {*few, *many}}  # fmt: skip
-            top = sorted(kernels.items(), key=lambda item: -item[1][1])
-            busiest[variant] = [(name[:100], round(count, 2), round(us, 2)) for name, (count, us) in top
-                                if abs(count) > 0.01 or abs(us) > 0.05]  # fmt: skip
+            print(rows[-1], flush=True)
+            if batch == args.batches[0]:  # one layer's kernels
+                few, many = a["by_name"], b["by_name"]
+                kernels = {name: [(many.get(name, (0, 0))[i] - few.get(name, (0, 0))[i]) / (large - small)
+                                  for i in (0, 1)] for name in {*few, *many}}  # fmt: skip
+                top = sorted(kernels.items(), key=lambda item: -item[1][1])
+                busiest[variant] = [(name[:100], round(count, 2), round(us, 2)) for name, (count, us) in top
+                                    if abs(count) > 0.01 or abs(us) > 0.05]  # fmt: skip
+            free_memory()
+        del models
+        torch._dynamo.reset()  # every slice compiles afresh: keep the recompile limit out of the way
+        free_memory()
         write_report(args.out, "decode_per_layer", per_layer_report(args, rows, busiest, bandwidth),
                      dict(rows=rows, busiest=busiest, args=vars(args)))  # fmt: skip
     return rows
-
-
-COMPARE_ROUNDS = 8
 
 
 def parsed_value(text: str):
@@ -465,11 +470,8 @@ def compare_benchmark(args) -> list[dict]:
         for batch in args.batches:
             steps = {setting: compared_step(model, batch, args.context, setting, not args.graphs_only)
                      for setting in args.compare}  # fmt: skip
-            times = {setting: [] for setting in steps}
             with torch.no_grad():
-                for _ in range(COMPARE_ROUNDS):
-                    for setting, (step, _) in steps.items():
-                        times[setting].append(cuda_ms(step, warmup=3, repeats=args.steps))
+                times = interleaved_ms({setting: step for setting, (step, _) in steps.items()}, args.steps)
                 reference = next(iter(steps.values()))[1]
                 for setting, (step, first) in steps.items():
                     kernels, gpu_ms, _ = profiled_kernels(step)
@@ -494,7 +496,7 @@ def compare_benchmark(args) -> list[dict]:
         text = (f"# Decode steps of a {LAYERS}-layer slice under several settings\n\n{environment()}; command: "
                 f"`python3 benchmarks/decode.py --per-layer {' '.join(args.per_layer)} --batches "
                 f"{' '.join(map(str, args.batches))} --context {args.context} --compare {' '.join(args.compare)}"
-                f"{' --graphs-only' if args.graphs_only else ''}`; {COMPARE_ROUNDS} interleaved rounds of {args.steps} "
+                f"{' --graphs-only' if args.graphs_only else ''}`; {ROUNDS} interleaved rounds of {args.steps} "
                 f"replays per setting\n\n{table}")
         write_report(args.out, "decode_compare", text, dict(rows=rows, args=vars(args)))
     return rows
@@ -502,9 +504,10 @@ def compare_benchmark(args) -> list[dict]:
 
 def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) -> str:
     table = markdown_table(
-        ["layer", "batch", "kernels", "MB read", "ms", "GPU busy ms", "roofline ms", "% of roofline"],
+        ["layer", "batch", "kernels", "MB read", "ms", "rounds' range", "GPU busy ms", "roofline ms", "% of roofline"],
         [[r["variant"], r["batch"], r.get("error", fmt(r.get("kernels"), ".1f")),
-          fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"), fmt(r.get("ms"), ".3f"), fmt(r.get("gpu_ms"), ".3f"),
+          fmt(r["bytes"] / 1e6 if "bytes" in r else None, ".1f"), fmt(r.get("ms"), ".3f"),
+          "" if "error" in r else f"{r['low']:.3f}-{r['high']:.3f}", fmt(r.get("gpu_ms"), ".3f"),
           fmt(r.get("roofline_ms"), ".3f"),
           fmt(None if "error" in r else 100 * r["roofline_share"], ".0f")] for r in rows],
     )  # fmt: skip
@@ -515,8 +518,10 @@ def per_layer_report(args, rows: list[dict], busiest: dict, bandwidth: float) ->
     text = [f"# One decode layer against the bytes it reads\n\n{environment()}; command: `python3 benchmarks/decode.py "
             f"--per-layer {' '.join(args.per_layer)} --context {args.context} --batches {batches}{inductor}"
             f"{graphs_only}`; copy bandwidth {bandwidth:.0f} GB/s\n",
-            "Per layer: the slope between a 2- and a 6-layer slice (step at 6 layers minus step at 2, over 4), "
-            f"{args.context} tokens of context per row, static cache, {step}.\n", table]
+            "Per layer: the slope between a 2- and a 6-layer slice (median step at 6 layers minus median step at 2, "
+            f"over 4; both slices held at once, their steps timed in {ROUNDS} alternating rounds of {args.steps} "
+            f"replays; the range: the slopes of single rounds), {args.context} tokens of context per row, static "
+            f"cache, {step}.\n", table]
     for variant, kernels in busiest.items():
         text += [f"\nOne `{variant}` layer's kernels at batch {args.batches[0]}, by GPU time (the same slope; all in "
                  "the JSON):\n",

@@ -50,13 +50,18 @@ NO_ADDEND, GIVEN_ADDEND, CONVOLVED_ADDEND = 0, 1, 2
 # kernel signatures and pointer arithmetic read better packed
 # fmt: off
 @triton.jit
-def _stack_tile(blocks_row, stride_bn, stride_bc, partial, chans, chan_ok, NUM_BLOCKS: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """One token's stack over a chunk, [BLOCK_M, BLOCK_C] fp32: the completed blocks in rows 0..NUM_BLOCKS - 1, the
-    partial block `partial` [BLOCK_C] (not yet normalized) in row NUM_BLOCKS, zeros below."""
+def _blocks_tile(blocks_row, stride_bn, stride_bc, chans, chan_ok, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One token's completed blocks over a chunk, [BLOCK_M, BLOCK_C] fp32 in rows 0..NUM_BLOCKS - 1, zeros below."""
     ms = tl.arange(0, BLOCK_M)[:, None]
-    blocks = tl.load(blocks_row + ms * stride_bn + chans[None, :] * stride_bc,
-                     mask=(ms < NUM_BLOCKS) & chan_ok[None, :], other=0.0)
+    return tl.load(blocks_row + ms * stride_bn + chans[None, :] * stride_bc,
+                   mask=(ms < NUM_BLOCKS) & chan_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _with_partial(blocks, partial, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The stack over a chunk: `_blocks_tile`'s blocks with the partial block [BLOCK_C] (not yet normalized) in row
+    NUM_BLOCKS."""
+    ms = tl.arange(0, BLOCK_M)[:, None]
     return blocks + tl.where(ms == NUM_BLOCKS, partial[None, :], 0.0)
 
 
@@ -117,7 +122,8 @@ def _mix_statistics_kernel(
     queries = tl.load(queries_ptr + query_rows * stride_qq + chans[None, :] * stride_qc,
                       mask=(query_rows >= 0) & (query_rows < QUERIES) & chan_ok[None, :], other=0.0).to(tl.float32)
     blocks_row = blocks_ptr + b * stride_bb + t * stride_bt
-    rows = _stack_tile(blocks_row, stride_bn, stride_bc, partial, chans, chan_ok, NUM_BLOCKS, BLOCK_M) + queries
+    blocks = _blocks_tile(blocks_row, stride_bn, stride_bc, chans, chan_ok, NUM_BLOCKS, BLOCK_M)
+    rows = _with_partial(blocks, partial, NUM_BLOCKS, BLOCK_M) + queries
     slot = ((b * TOKENS + t) * chunks + chunk) * BLOCK_M
     for n in tl.static_range(NUM_BLOCKS + 1):
         if n < NUM_BLOCKS:
@@ -153,6 +159,14 @@ def _mix_kernel(
     chunk_products = tl.load(products_ptr + ((b * TOKENS + t) * chunks + ks[:, None]) * (BLOCK_M * BLOCK_M)
                              + values[None, :],
                              mask=(ks < chunks)[:, None] & (values < (NUM_BLOCKS + 1) * BLOCK_M)[None, :], other=0.0)
+    # every load at once, before the reductions (the compiler does not move a load past their barriers)
+    partial = tl.load(stream_ptr + b * stride_sb + t * stride_st + chans * stride_sc, mask=chan_ok, other=0.0)
+    blocks = _blocks_tile(blocks_ptr + b * stride_bb + t * stride_bt, stride_bn, stride_bc, chans, chan_ok, NUM_BLOCKS,
+                          BLOCK_M)
+    norm_weights0 = tl.load(norm0_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    norm_weights1 = tl.load(norm1_ptr + chans, mask=chan_ok & (QUERIES > 1), other=0.0).to(tl.float32)
+    norm_weights2 = tl.load(norm2_ptr + chans, mask=chan_ok & (QUERIES > 2), other=0.0).to(tl.float32)
+    release_successor(PDL)
     products = tl.reshape(tl.sum(chunk_products, 0), (BLOCK_M, BLOCK_M))  # [entry n, row m]
     # the partial block's RMS scale (`with_block`) on its row and column
     partial_entry = (ms[:, None] == NUM_BLOCKS) & (ms[None, :] == NUM_BLOCKS)
@@ -162,10 +176,7 @@ def _mix_kernel(
     scales = tl.where(ms == NUM_BLOCKS, block_scale, 1.0)
     products = products * scales[:, None] * scales[None, :]
     gram = tl.where(entry_ok[None, :], products, 0.0)
-    partial = tl.load(stream_ptr + b * stride_sb + t * stride_st + chans * stride_sc, mask=chan_ok, other=0.0)
-    stack = _stack_tile(blocks_ptr + b * stride_bb + t * stride_bt, stride_bn, stride_bc, partial.to(tl.float32),
-                        chans, chan_ok, NUM_BLOCKS, BLOCK_M) * scales[:, None]
-    release_successor(PDL)  # after the last load but the norms' weights (parameters: no later kernel writes them)
+    stack = _with_partial(blocks, partial.to(tl.float32), NUM_BLOCKS, BLOCK_M) * scales[:, None]
     if STORE_STACK:
         stack_rows = stack_ptr + ((b * TOKENS + t) * (NUM_BLOCKS + 1) + ms[:, None]) * hidden + chans[None, :]
         tl.store(stack_rows, stack, mask=entry_ok[:, None] & chan_ok[None, :])
@@ -179,8 +190,7 @@ def _mix_kernel(
         zero = tl.zeros_like(mix_square_sum)
         norm_scale = tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(mix_square_sum, zero + hidden) + eps))
         mixed = tl.sum(weights[:, None] * stack, 0)
-        norm_ptr = norm0_ptr if q == 0 else (norm1_ptr if q == 1 else norm2_ptr)
-        norm_weight = tl.load(norm_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        norm_weight = norm_weights0 if q == 0 else (norm_weights1 if q == 1 else norm_weights2)
         destination = out_ptr + q * stride_oq + b * stride_ob + t * stride_ot + chans
         tl.store(destination, (norm_weight * (mixed * norm_scale)).to(out_ptr.dtype.element_ty), mask=chan_ok)
 

@@ -128,6 +128,9 @@ cases = {  # name: (inputs, window); keys split over several programs in all but
     "fewer keys than the extent": (dict(seed=42, queries=3, keys=10), None),
     "a row without keys (all on the sink)": (dict(seed=43, queries=2, keys=70, first_query=80, padding=(0, 70)), 16),
     "one kv head per query head": (dict(seed=44, queries=5, keys=130, heads=4, kv_heads=4), None),
+    # 71 splits of one kv head: the merge reads them in two blocks (MERGE_SPLIT_BLOCK), not all at once
+    "more splits than the merge reads at once": (
+        dict(seed=46, batch=1, heads=2, kv_heads=1, queries=1, keys=4500, first_query=4600), None),
 }
 results = {}
 for name, (options, window) in cases.items():
@@ -183,7 +186,7 @@ def test_attention_kernels_under_the_triton_interpreter_equal_eager():
     there), against the eager reference."""
     tests_folder = Path(__file__).parents[1]  # where `inkling2_helpers` lives
     results = run_under_triton_interpreter(_ATTENTION_KERNELS_SCRIPT, str(tests_folder))
-    assert len(results) == 22 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
+    assert len(results) == 24 and all(difference <= FP32_TOLERANCE for difference in results.values()), results
     assert results["compiled"] == 0
 
 

@@ -192,43 +192,67 @@ def _decode_partial_kernel(
 
 
 @triton.jit
+def _split_block(m_ptr, l_ptr, acc_ptr, parts, ok, row, dims, ROWS: tl.constexpr, DIM: tl.constexpr):
+    """A block of one folded row's splits: their maxima (-inf past the splits), sums and partial outputs."""
+    maxima = tl.load(m_ptr + parts * ROWS + row, mask=ok, other=float("-inf"))
+    sums = tl.load(l_ptr + parts * ROWS + row, mask=ok, other=0.0)
+    outputs = tl.load(acc_ptr + (parts[:, None] * ROWS + row) * DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    return maxima, sums, outputs
+
+
+@triton.jit
+def _weighted_sums(maxima, sums, outputs, top, denominator, numerator):
+    """The merge's sums with a block of splits added, each weighted by 2^(its maximum - top) (2^-inf = 0 for a split
+    that saw nothing, and for the block's padding)."""
+    weight = tl.exp2(maxima - top)
+    return numerator + tl.sum(weight[:, None] * outputs, 0), denominator + tl.sum(weight * sums, 0)
+
+
+@triton.jit
 def _decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, sink_ptr, gate_ptr, out_ptr, stride_sb, stride_sh, stride_sq, stride_gb, stride_gq,
     stride_ob, stride_oq, stride_oh, num_splits, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr,
-    QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, GATED: tl.constexpr,
-    PDL: tl.constexpr,
+    QUERIES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    GATED: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid (batch * kv_heads, GROUPS * QUERIES): one folded row's splits and sink merged by log-sum-exp, its
     splits read SPLIT_BLOCK at a time and summed in a fixed order (deterministic). A program per row, not per kv
     head: at one token a kv head's 30-odd splits of [rows, DIM] read one after another by 8 programs took longer
-    than the attention itself. GATED: the row, rounded to the output dtype, times the sigmoid of its gate
-    ([B, Q, H * DIM], unit stride within a row), in fp32, rounded again."""
+    than the attention itself. ONE_BLOCK (at most SPLIT_BLOCK splits, a decode step's case): every load issued at
+    once, before the maximum's reduction, instead of the maxima first and the rest after it. GATED: the row, rounded
+    to the output dtype, times the sigmoid of its gate ([B, Q, H * DIM], unit stride within a row), in fp32, rounded
+    again."""
     wait_for_predecessor(PDL)
     pair, row = tl.program_id(0), tl.program_id(1)
     b, kv_head = (pair // KV_HEADS).to(tl.int64), pair % KV_HEADS
     query, head = row % QUERIES, kv_head * GROUPS + row // QUERIES
     dims, splits = tl.arange(0, DIM), tl.arange(0, SPLIT_BLOCK)
     sink = tl.load(sink_ptr + b * stride_sb + head * stride_sh + query * stride_sq).to(tl.float32) * LOG2E
-    top = sink  # base 2, as the splits' maxima
-    for s0 in range(0, num_splits, SPLIT_BLOCK):
-        parts = pair * num_splits + s0 + splits
-        maxima = tl.load(m_ptr + parts * ROWS + row, mask=s0 + splits < num_splits, other=float("-inf"))
-        top = tl.maximum(top, tl.max(maxima, 0))
-    denominator = tl.exp2(sink - top)
-    numerator = tl.zeros((DIM,), dtype=tl.float32)
-    for s0 in range(0, num_splits, SPLIT_BLOCK):
-        parts = pair * num_splits + s0 + splits
-        ok = s0 + splits < num_splits
-        # 2^-inf = 0 for a split that saw nothing, and for the block's padding
-        weight = tl.exp2(tl.load(m_ptr + parts * ROWS + row, mask=ok, other=float("-inf")) - top)
-        denominator += tl.sum(weight * tl.load(l_ptr + parts * ROWS + row, mask=ok, other=0.0), 0)
-        outputs = tl.load(acc_ptr + (parts[:, None] * ROWS + row) * DIM + dims[None, :], mask=ok[:, None], other=0.0)
-        numerator += tl.sum(weight[:, None] * outputs, 0)
-    output = (numerator / denominator).to(out_ptr.dtype.element_ty)
     if GATED:
         gate = tl.load(gate_ptr + b * stride_gb + query * stride_gq + head * DIM + dims).to(tl.float32)
+    if ONE_BLOCK:
+        maxima, sums, outputs = _split_block(m_ptr, l_ptr, acc_ptr, pair * num_splits + splits, splits < num_splits,
+                                             row, dims, ROWS, DIM)
+        release_successor(PDL)
+        top = tl.maximum(sink, tl.max(maxima, 0))  # base 2, as the splits' maxima
+        numerator, denominator = _weighted_sums(maxima, sums, outputs, top, tl.exp2(sink - top),
+                                                tl.zeros((DIM,), dtype=tl.float32))
+    else:
+        top = sink
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            parts = pair * num_splits + s0 + splits
+            maxima = tl.load(m_ptr + parts * ROWS + row, mask=s0 + splits < num_splits, other=float("-inf"))
+            top = tl.maximum(top, tl.max(maxima, 0))
+        denominator = tl.exp2(sink - top)
+        numerator = tl.zeros((DIM,), dtype=tl.float32)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            maxima, sums, outputs = _split_block(m_ptr, l_ptr, acc_ptr, pair * num_splits + s0 + splits,
+                                                 s0 + splits < num_splits, row, dims, ROWS, DIM)
+            numerator, denominator = _weighted_sums(maxima, sums, outputs, top, denominator, numerator)
+        release_successor(PDL)
+    output = (numerator / denominator).to(out_ptr.dtype.element_ty)
+    if GATED:
         output = (output.to(tl.float32) * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty)
-    release_successor(PDL)
     tl.store(out_ptr + b * stride_ob + query * stride_oq + head * stride_oh + dims, output)
 
 
@@ -397,7 +421,7 @@ def _attend(
     _decode_merge_kernel[(pairs, groups * queries)](
         m, l, acc, sinks, gate, output, sinks.stride(0), sinks.stride(1), sinks.stride(2), *gate_strides,
         output.stride(0), output.stride(1), output.stride(2), splits, SPLIT_BLOCK=MERGE_SPLIT_BLOCK,
-        GATED=prologue is not None, num_warps=4, **constants,
+        ONE_BLOCK=splits <= MERGE_SPLIT_BLOCK, GATED=prologue is not None, num_warps=4, **constants,
     )  # fmt: skip
     return output
 

@@ -74,8 +74,16 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 
 def run_under_triton_interpreter(script: str, *args: str) -> dict:
-    """Runs `script` (which prints a JSON object as its last line) under the interpreter; returns that object."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    """Runs `script` (which prints a JSON object as its last line) under the interpreter; returns that object.
+
+    On one thread: the references there are computed in a fresh process, and a fresh process's first parallel
+    vector-math call can race in MKL. `torch.exp` of a contiguous fp32 tensor goes to MKL's vector math in chunks
+    of at least 2048 elements, one per thread; after triton's import, in 7 of 379 processes on 2 threads the first
+    such call gave the first thread's chunk at about 12-bit accuracy (1.5e-4 relative; 3.8e-5 on the decode
+    kernel's reference, above its 1e-5 bound), and the next call was exact. 0 of 200 on one thread."""
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p)
+    )
     proc = subprocess.run(
         [sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], env=env, capture_output=True, text=True,
         timeout=300,

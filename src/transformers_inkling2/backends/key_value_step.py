@@ -16,7 +16,8 @@ gradients, the convolutions as this package defines them, without hooks. Everyth
 runs the reference.
 
 On by default: its GPU tests pass on an H200 (sliding and full layers) and it makes the decode step faster there
-(docs/benchmarks.md, "The fused decode steps" and "Plain `generate()`'s decode step with the fused mixes").
+(docs/dev/benchmark-history.md, "The fused decode steps" and "Plain `generate()`'s decode step with the fused
+mixes").
 `INKLING2_FUSED_KEY_VALUE_STEP=0` keeps the reference.
 """
 

@@ -25,8 +25,8 @@ BLOCK_M = 16  # the step's rows, padded to what the tensor cores take; at 64 row
 # (BLOCK_N, BLOCK_K, warps, stages), the fastest at 1 and 8 rows of `benchmarks/projections.py --sweep` (weights read
 # cold) on an H100, 2026-12-05: TILE at full width (474 programs, 96% of copy bandwidth), DEEP_TILE where TILE's grid
 # gives each SM at most one program (the TP4-shaped layer: 119 programs on 132 SMs; 80% of copy bandwidth against
-# 61% with TILE; docs/benchmarks.md): a program then streams its rows alone, and takes twice the bytes per step, one
-# stage deeper.
+# 61% with TILE; docs/dev/benchmark-history.md): a program then streams its rows alone, and takes twice the bytes per
+# step, one stage deeper.
 TILE = (32, 128, 4, 3)
 DEEP_TILE = (32, 256, 4, 4)
 

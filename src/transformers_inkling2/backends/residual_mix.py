@@ -20,7 +20,7 @@ defines them, without hooks; everything else gets None, and the model runs the r
 On by default since 2026-12-05: its GPU tests passed on an H200, and with the full layers' fused key/value step it
 took a 6-layer slice's uncompiled decode step (what plain `generate()`'s CUDA graphs replay) from 517 launches to 215
 and 19-34% less time, with the first kernel (a program per token); the kernel split over the width and the step's
-tokens since also makes the compiled step faster than inductor's reductions do (docs/benchmarks.md).
+tokens since also makes the compiled step faster than inductor's reductions do (docs/dev/benchmark-history.md).
 `INKLING2_FUSED_RESIDUAL_MIX=0` keeps the reference.
 """
 

@@ -5,7 +5,7 @@ width (`residual_mix`; after a sublayer's output joins the partial block, `resid
 The mix of a token is a softmax over its stack (the completed blocks, then the RMS-normalized partial block), and the
 norm after it needs the mix's sum of squares: two reductions over the whole width before a single output channel is
 known. A program per token walking the width (the first version of this kernel) leaves all but one SM idle and took
-16 to 92 us a mix on an H200, more than inductor's reductions below batch 64 (docs/benchmarks.md); here both
+16 to 92 us a mix on an H200, more than inductor's reductions below batch 64 (docs/dev/benchmark-history.md); here both
 reductions come from one set of sums, so the width splits over programs with one launch boundary between them:
 1. `_mix_statistics_kernel`, a program per batch row, chunk of channels (`CHUNK`; `WIDE_CHUNK` from `WIDE_FROM_ROWS`
    rows of batch x tokens) and token of the step: the partial block (as given, or with a sublayer's output added: the
@@ -40,7 +40,7 @@ from .dependent_launch_kernel import release_successor, wait_for_predecessor
 
 # Channels per program: hidden 4,608 in 18 chunks. On an H200 the fastest or within 1 us of 128 and 512 at batch 1 and
 # 8; from 24 rows (batch x tokens) 512 is faster, by 1-7 us a mix on an H100 at 24-64 (at 16 within 1 us either way;
-# `benchmarks/residual_mix.py --chunks 256 512 --batches ...`, docs/benchmarks.md).
+# `benchmarks/residual_mix.py --chunks 256 512 --batches ...`, docs/dev/benchmark-history.md).
 CHUNK, WIDE_CHUNK, WIDE_FROM_ROWS = 256, 512, 24
 NUM_WARPS = 4
 BLOCK_EPS = tl.constexpr(1e-6)  # `with_block`'s RMS norm of the partial block (a constexpr: the kernel reads it)

@@ -37,7 +37,7 @@ logger = logging.get_logger(__name__)
 
 MIN_BUCKET = 1024
 # inductor launches the step's data-independent kernels as one: about three launches fewer per layer and 2-4% faster
-# batch-1 steps on an H200 (docs/benchmarks.md, "Inductor's combo kernels")
+# batch-1 steps on an H200 (docs/dev/benchmark-history.md, "Inductor's combo kernels, on one H200")
 COMBO_KERNELS = {"combo_kernels": True}
 WARMUP_CALLS = 2  # before a capture: cuBLAS workspaces, Triton autotuning and compiled FlexAttention settle here
 

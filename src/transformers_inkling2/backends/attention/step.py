@@ -12,8 +12,8 @@ package's backends that run it for steps (`DECODE_KERNEL_BACKENDS`, paged keys i
 gradients, at most `MAX_STEP_TOKENS` queries, shapes the kernel supports, and the clip and relative-logits modules
 as this package defines them, without hooks. Everything else gets None, and the model runs the reference.
 
-On by default: its GPU tests pass on an H200 and it makes the decode step faster there (docs/benchmarks.md, "The
-fused decode steps"). `INKLING2_FUSED_ATTENTION_STEP=0` keeps the reference, e.g. to compare against it.
+On by default: its GPU tests pass on an H200 and it makes the decode step faster there (docs/dev/benchmark-history.md,
+"The fused decode steps"). `INKLING2_FUSED_ATTENTION_STEP=0` keeps the reference, e.g. to compare against it.
 """
 
 from __future__ import annotations

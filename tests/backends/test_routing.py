@@ -15,7 +15,7 @@ import torch
 from inkling2_helpers import needs_triton, run_under_triton_interpreter, within
 
 from transformers_inkling2 import Inkling2TextConfig
-from transformers_inkling2.backends.routing import MAX_ROWS, top_k_routing
+from transformers_inkling2.backends.routing import MAX_ROWS, MAX_SCORES, kernel_takes, top_k_routing
 from transformers_inkling2.modeling.interfaces import KERNELS
 from transformers_inkling2.modeling.modeling_inkling2_text import Inkling2TopKRouter
 
@@ -52,12 +52,13 @@ sys.path.insert(0, sys.argv[2])
 from test_routing import agrees, router_case
 from transformers_inkling2.backends import routing, router_kernel
 from transformers_inkling2.backends.router_kernel import top_k_routing
-assert (routing.MAX_ROWS, routing.MAX_EXPERTS) == (router_kernel.MAX_ROWS, router_kernel.MAX_EXPERTS)
+assert routing.MAX_EXPERTS == router_kernel.MAX_EXPERTS
 
-# widths off the K slices, expert counts off BLOCK_E, 1 to 16 rows, bf16 and fp32 inputs
+# widths off the K slices, expert counts off BLOCK_E, 1 to 37 rows (odd counts: a last pair of rows half empty), bf16
+# and fp32 inputs
 results = {}
 for seed, (rows, width, experts, top_k) in enumerate([(1, 200, 40, 8), (5, 96, 384, 8), (16, 130, 17, 3),
-                                                      (11, 600, 96, 2)]):
+                                                      (11, 600, 96, 2), (37, 300, 40, 5)]):
     dtype = torch.bfloat16 if seed % 2 == 0 else torch.float32
     x, router = router_case(rows, width, experts, top_k, dtype, seed)
     with torch.no_grad():
@@ -77,7 +78,15 @@ def test_kernels_under_the_triton_interpreter_equal_the_reference():
     """`[shapes and dtypes, logits, experts, weights]` all within bound, per case; ties go to the lower index."""
     here = Path(__file__).parent
     results = run_under_triton_interpreter(_INTERPRETER_SCRIPT, str(here.parent), str(here))
-    assert len(results) == 5 and all(all(checks) for checks in results.values()), results
+    assert len(results) == 6 and all(all(checks) for checks in results.values()), results
+
+
+def test_the_kernels_take_the_rows_they_route_faster():
+    """Up to 32 rows at Inkling-2-Small's 384 experts, 64 at a TP4/EP4-shaped 96 (the benchmark's crossovers); never
+    an empty step or more experts than the top-k program holds."""
+    assert kernel_takes(1, 384) and kernel_takes(32, 384) and not kernel_takes(33, 384)
+    assert kernel_takes(MAX_ROWS, 96) and not kernel_takes(MAX_ROWS + 1, 16)
+    assert MAX_SCORES == 32 * 384 and not kernel_takes(0, 96) and not kernel_takes(1, 1025)
 
 
 def test_cpu_tensors_keep_the_reference_path():
@@ -101,11 +110,12 @@ def test_the_router_asks_the_registered_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8, MAX_ROWS])
-@pytest.mark.parametrize("experts, top_k", [(384, 8), (96, 2)])
+@pytest.mark.parametrize("experts, top_k, rows", [(384, 8, 1), (384, 8, 8), (384, 8, 32), (96, 2, 1), (96, 2, 7),
+                                                  (96, 2, MAX_ROWS)])
 def test_gpu_kernels_at_model_shapes(rows, experts, top_k):
     """Inkling-2-Small's router (hidden 4,608, 384 experts, top-8) and a TP4/EP4-shaped one (96, top-2), bf16
-    inputs: the kernels through the dispatch against the reference on the same GPU."""
+    inputs, up to the most rows the dispatch gives them: the kernels through the dispatch against the reference on
+    the same GPU."""
     x, router = router_case(rows, 4608, experts, top_k, torch.bfloat16, seed=rows, device="cuda")
     router.requires_grad_(False)
     fused = top_k_routing(x, router.weight, router.e_score_correction_bias, top_k, router.route_scale)

@@ -2,10 +2,10 @@
 
 Registered as the model's `"top_k_routing"` kernel (`modeling.interfaces.KERNELS`). The reference
 (`Inkling2TopKRouter`) takes five kernels for a step: the fp32 GEMV, the sigmoid and bias, `torch.topk`, the gather
-and the normalization, each a launch that costs more than its work. For CUDA steps of at most `MAX_ROWS` tokens
-without gradients, `router_kernel` does the same in two (see there). Prompts keep the reference: there the GEMM is
-cuBLAS's business and the launches are amortized. A tensor-parallel plan replicates the router, so it takes the
-kernel too when its weight is an ordinary tensor; a DTensor keeps the reference.
+and the normalization, each a launch that costs more than its work. For CUDA steps without gradients whose rows the
+kernels route faster (`kernel_takes`), `router_kernel` does the same in two (see there). Prompts keep the reference:
+there the GEMM is cuBLAS's business and the launches are amortized. A tensor-parallel plan replicates the router, so
+it takes the kernel too when its weight is an ordinary tensor; a DTensor keeps the reference.
 """
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ import torch
 
 from ..modeling.tensors import differentiable, plain_contiguous
 
-# tokens of a step (batch x step length), as `router_kernel` takes them; past that cuBLAS's GEMM wins
-MAX_ROWS = 16
+# Where the kernels route faster than the reference (an H100, `benchmarks/router.py`, docs/benchmarks.md): up to 32
+# rows (tokens of a step, batch x step length) at 384 experts (29.6 against 37.8 us; at 64 rows 51.7 against 43.5), and
+# up to 64 at 96 (16.0 against 33.0): a bound on rows x experts, and on rows.
+MAX_ROWS = 64
+MAX_SCORES = 32 * 384
 MAX_EXPERTS = 1024
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_takes(rows: int, experts: int) -> bool:
+    """Whether `router_kernel` routes `rows` tokens over `experts` faster than the reference (see above)."""
+    return 0 < rows <= MAX_ROWS and rows * experts <= MAX_SCORES and experts <= MAX_EXPERTS
 
 
 def top_k_routing(
@@ -26,7 +34,7 @@ def top_k_routing(
     """`Inkling2TopKRouter`'s (logits, weights, chosen experts) for x [rows, K]; None where the reference runs (see
     the module docstring)."""
     rows, experts = x.shape[0], weight.shape[0]
-    if not x.is_cuda or not 0 < rows <= MAX_ROWS or experts > MAX_EXPERTS or differentiable(x, weight, bias):
+    if not x.is_cuda or not kernel_takes(rows, experts) or differentiable(x, weight, bias):
         return None
     if not (plain_contiguous(weight) and plain_contiguous(bias)):
         return None
@@ -37,4 +45,4 @@ def top_k_routing(
     return routing_kernel(x.contiguous(), weight, bias, top_k, float(route_scale))
 
 
-__all__ = ["MAX_ROWS", "top_k_routing"]
+__all__ = ["MAX_ROWS", "MAX_SCORES", "kernel_takes", "top_k_routing"]

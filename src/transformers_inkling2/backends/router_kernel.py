@@ -11,7 +11,7 @@ Two rows a program, not all of them: a program's rows are a chain (each row's lo
 one before). With every row in one program and a store after each row, the router took 17.9 us at 8 rows and 384
 experts and 14.3 at 96, against 6.9 and 3.7 at one row; with two rows a program 12.9 and 5.4 (one row 14.2 and 5.6,
 four 13.7 and 6.1, all in one program with one store 12.9 and 8.2; an H100, `benchmarks/router.py`,
-docs/benchmarks.md). Each program stores its rows' sums once, after its last load.
+docs/dev/benchmark-history.md). Each program stores its rows' sums once, after its last load.
 
 Imported only when a CUDA tensor takes the path (`routing.py`; triton is not a CPU dependency).
 """

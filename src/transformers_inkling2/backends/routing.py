@@ -14,9 +14,9 @@ import torch
 
 from ..modeling.tensors import differentiable, plain_contiguous
 
-# Where the kernels route faster than the reference (an H100, `benchmarks/router.py`, docs/benchmarks.md): up to 32
-# rows (tokens of a step, batch x step length) at 384 experts (29.6 against 37.8 us; at 64 rows 51.7 against 43.5), and
-# up to 64 at 96 (16.0 against 33.0): a bound on rows x experts, and on rows.
+# Where the kernels route faster than the reference (an H100, `benchmarks/router.py`, docs/dev/benchmark-history.md):
+# up to 32 rows (tokens of a step, batch x step length) at 384 experts (29.6 against 37.8 us; at 64 rows 51.7 against
+# 43.5), and up to 64 at 96 (16.0 against 33.0): a bound on rows x experts, and on rows.
 MAX_ROWS = 64
 MAX_SCORES = 32 * 384
 MAX_EXPERTS = 1024

@@ -44,14 +44,15 @@ def _partial_logits_kernel(x_ptr, w_ptr, partial_ptr, rows, E, K, ROWS: tl.const
     keeps the next load behind it (the two may alias)."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ks = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
-    group = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    first = tl.program_id(2) * ROWS
+    group = first + tl.arange(0, ROWS)
     k_ok = ks < K
     tile_ok = (experts < E)[:, None] & k_ok[None, :]
     w = tl.load(w_ptr + experts[:, None] * K + ks[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     wait_for_predecessor(PDL)
     sums = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
     for i in tl.static_range(ROWS):  # masked rather than skipped: the loads of every row can issue at once
-        row = tl.program_id(2) * ROWS + i
+        row = first + i
         x = tl.load(x_ptr + row * K + ks, mask=k_ok & (row < rows), other=0.0).to(tl.float32)
         sums = tl.where((group == row)[:, None], tl.sum(w * x[None, :], 1)[None, :], sums)
     release_successor(PDL)

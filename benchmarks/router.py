@@ -6,7 +6,8 @@ inputs, fp32 weights, at 1 to 64 rows. Each variant is captured 20 times in one 
 decode step's graph replays it; time per call, and the weight's bytes over that time as % of the copy bandwidth.
 Our kernels are timed at every row count, also where the model's dispatch keeps the reference (`routing.kernel_takes`,
 the path's name says which); `--rows-per-program` times them with each given number of rows per program of the
-partial sums (`router_kernel.ROWS_PER_PROGRAM`) instead of the default.
+partial sums at most (`router_kernel.MAX_ROWS_PER_PROGRAM`, and fewer only where the step has fewer rows: the grid
+rule, `MIN_PROGRAMS`, off) instead of the default.
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD/src:/tmp/site
@@ -43,7 +44,7 @@ CALLS_PER_GRAPH = 20
 def compare(bandwidth: float, rows_per_program: list[int]) -> list[dict]:
     results = []
     generator = torch.Generator(device=DEVICE).manual_seed(0)
-    default = router_kernel.ROWS_PER_PROGRAM
+    default = router_kernel.MAX_ROWS_PER_PROGRAM, router_kernel.MIN_PROGRAMS
     for shape, (experts, top_k) in SHAPES.items():
         config = Inkling2TextConfig(hidden_size=HIDDEN, n_routed_experts=experts, num_experts_per_tok=top_k)
         router = Inkling2TopKRouter(config).to(DEVICE).requires_grad_(False)
@@ -56,11 +57,14 @@ def compare(bandwidth: float, rows_per_program: list[int]) -> list[dict]:
             timed = {"reference (cuBLAS + torch.topk)": graph_ms(lambda: router(x), calls=CALLS_PER_GRAPH)}
             KERNELS._entries["top_k_routing"] = entry
             taken = "the model's path" if kernel_takes(rows, experts) else "the model keeps the reference"
-            for per_program in rows_per_program or [default]:
-                router_kernel.ROWS_PER_PROGRAM = per_program
-                name = f"ours, {per_program} rows a program ({taken})"
+            for per_program in rows_per_program or [None]:
+                if per_program is None:
+                    name = f"ours ({taken})"
+                else:
+                    router_kernel.MAX_ROWS_PER_PROGRAM, router_kernel.MIN_PROGRAMS = per_program, 1
+                    name = f"ours, {per_program} rows a program ({taken})"
                 timed[name] = graph_ms(lambda: router_kernel.top_k_routing(x, *arguments), calls=CALLS_PER_GRAPH)
-            router_kernel.ROWS_PER_PROGRAM = default
+                router_kernel.MAX_ROWS_PER_PROGRAM, router_kernel.MIN_PROGRAMS = default
             for name, ms in timed.items():
                 results.append(dict(shape=shape, rows=rows, path=name, us=ms * 1000, share=read / ms / 1e6 / bandwidth))
                 print(results[-1], flush=True)
@@ -70,7 +74,7 @@ def compare(bandwidth: float, rows_per_program: list[int]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows-per-program", type=int, nargs="+", default=[], metavar="N",
-                        help="time our kernels with each of these rows per program of the partial sums")
+                        help="time our kernels with each of these rows per program of the partial sums (at most)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if any(n < 1 or n & (n - 1) for n in args.rows_per_program):

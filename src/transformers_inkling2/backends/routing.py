@@ -3,8 +3,9 @@
 Registered as the model's `"top_k_routing"` kernel (`modeling.interfaces.KERNELS`). The reference
 (`Inkling2TopKRouter`) takes five kernels for a step: the fp32 GEMV, the sigmoid and bias, `torch.topk`, the gather
 and the normalization, each a launch that costs more than its work. For CUDA steps without gradients whose rows the
-kernels route faster (`kernel_takes`), `router_kernel` does the same in two (see there). Prompts keep the reference:
-there the GEMM is cuBLAS's business and the launches are amortized. A tensor-parallel plan replicates the router, so
+kernels route faster (`kernel_takes`), `router_kernel` does the same in two (see there; its partial sums are Gluon,
+so they need Triton 3.6, `triton_features.GLUON_API`). Prompts keep the reference: there the GEMM is cuBLAS's
+business and the launches are amortized. A tensor-parallel plan replicates the router, so
 it takes the kernel too when its weight is an ordinary tensor; a DTensor keeps the reference.
 """
 
@@ -15,17 +16,16 @@ import torch
 from ..modeling.tensors import differentiable, plain_contiguous
 
 # Where the kernels route faster than the reference (an H100, `benchmarks/router.py`, docs/dev/benchmark-history.md):
-# up to 32 rows (tokens of a step, batch x step length) at 384 experts (29.6 against 37.8 us; at 64 rows 51.7 against
-# 43.5), and up to 64 at 96 (16.0 against 33.0): a bound on rows x experts, and on rows.
+# every step measured, 1 to 64 rows (tokens of a step, batch x step length) at 96 and 384 experts; at 64 rows and 384
+# experts 23.5 against 43.0 us.
 MAX_ROWS = 64
-MAX_SCORES = 32 * 384
 MAX_EXPERTS = 1024
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def kernel_takes(rows: int, experts: int) -> bool:
     """Whether `router_kernel` routes `rows` tokens over `experts` faster than the reference (see above)."""
-    return 0 < rows <= MAX_ROWS and rows * experts <= MAX_SCORES and experts <= MAX_EXPERTS
+    return 0 < rows <= MAX_ROWS and experts <= MAX_EXPERTS
 
 
 def top_k_routing(
@@ -40,9 +40,13 @@ def top_k_routing(
         return None
     if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         return None
-    from .router_kernel import top_k_routing as routing_kernel  # Triton, imported where the kernel runs
+    from .triton_features import GLUON_API  # Triton, imported where the kernels run
+
+    if not GLUON_API:
+        return None
+    from .router_kernel import top_k_routing as routing_kernel
 
     return routing_kernel(x.contiguous(), weight, bias, top_k, float(route_scale))
 
 
-__all__ = ["MAX_ROWS", "MAX_SCORES", "kernel_takes", "top_k_routing"]
+__all__ = ["MAX_ROWS", "kernel_takes", "top_k_routing"]

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_features import GLUON_API
 from .tiles import (
     LOG2E,
     attention_output_like,
@@ -43,9 +44,6 @@ from .tiles import (
 # (BLOCK_M, BLOCK_N, warps, stages) by layer: the fastest shapes of the tile sweep in docs/dev/benchmark-history.md
 # (benchmarks/prefill_kernel_sweep.py); 128 x 128 tiles spill registers
 TILES = {"full": (128, 64, 8, 3), "sliding": (128, 64, 8, 3)}
-
-# `prefill_gluon` is written against Gluon as Triton 3.6 ships it (an experimental API that still changes)
-GLUON_API = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 
 # how a run of key blocks treats the relative bias
 NO_BIAS = tl.constexpr(0)
@@ -210,7 +208,7 @@ def prefill_attention(
     inputs = (query, key, value, relative_logits, sinks, query_positions, key_positions, key_padding, sliding_window,
               scaling)  # fmt: skip
     if sliding_window is not None and query.is_cuda and GLUON_API:
-        from . import prefill_gluon  # imported on first use: Gluon exists as this code expects from Triton 3.6 on
+        from . import prefill_gluon  # imported on first use (Gluon, `triton_features.GLUON_API`)
 
         if prefill_gluon.supports(query, key, value, relative_logits, sliding_window):
             return prefill_gluon.sliding_prefill_attention(*inputs)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inkling2_helpers import needs_triton, run_under_triton_interpreter, within
+from inkling2_helpers import needs_triton, on_mocked_gpu, run_under_triton_interpreter, within
 
 from transformers_inkling2 import Inkling2TextConfig
 from transformers_inkling2.backends.routing import MAX_ROWS, kernel_takes, top_k_routing
@@ -102,6 +102,17 @@ def test_the_kernels_take_the_rows_they_route_faster():
 def test_cpu_tensors_keep_the_reference_path():
     x, router = router_case(1, 64, 16, 4, torch.bfloat16, seed=1)
     assert top_k_routing(x, router.weight, router.e_score_correction_bias, 4, 2.5) is None
+
+
+@needs_triton
+def test_rocm_keeps_the_reference_path(monkeypatch):
+    """The partial sums' Gluon layout is one of 32-lane warps: a GPU under ROCm (64-lane wavefronts) routes through
+    the reference, before any launch."""
+    x, router = router_case(1, 64, 16, 4, torch.bfloat16, seed=3)
+    router.requires_grad_(False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    with on_mocked_gpu((9, 4)):
+        assert top_k_routing(x, router.weight, router.e_score_correction_bias, 4, 2.5) is None
 
 
 def test_the_router_asks_the_registered_kernel(monkeypatch):

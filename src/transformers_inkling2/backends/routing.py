@@ -4,9 +4,10 @@ Registered as the model's `"top_k_routing"` kernel (`modeling.interfaces.KERNELS
 (`Inkling2TopKRouter`) takes five kernels for a step: the fp32 GEMV, the sigmoid and bias, `torch.topk`, the gather
 and the normalization, each a launch that costs more than its work. For CUDA steps without gradients whose rows the
 kernels route faster (`kernel_takes`), `router_kernel` does the same in two (see there; its partial sums are Gluon,
-so they need Triton 3.6, `triton_features.GLUON_API`). Prompts keep the reference: there the GEMM is cuBLAS's
-business and the launches are amortized. A tensor-parallel plan replicates the router, so
-it takes the kernel too when its weight is an ordinary tensor; a DTensor keeps the reference.
+so they need Triton 3.6, `triton_features.GLUON_API`, and NVIDIA's 32-lane warps: ROCm keeps the reference). Prompts
+keep the reference: there the GEMM is cuBLAS's business and the launches are amortized. A tensor-parallel plan
+replicates the router, so it takes the kernel too when its weight is an ordinary tensor; a DTensor keeps the
+reference.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def top_k_routing(
         return None
     from .triton_features import GLUON_API  # Triton, imported where the kernels run
 
-    if not GLUON_API:
+    if not GLUON_API or torch.version.hip is not None:  # the partial sums' layout is one of 32-lane warps
         return None
     from .router_kernel import top_k_routing as routing_kernel
 

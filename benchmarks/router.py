@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if any(n < 1 or n & (n - 1) for n in args.rows_per_program):
-        parser.error(f"--rows-per-program takes powers of 2 (a program's rows are one Triton block), got "
+        parser.error(f"--rows-per-program takes powers of 2 (a program's rows are one block of its layout), got "
                      f"{args.rows_per_program}")
     bandwidth = copy_bandwidth_gb_s()
     results = compare(bandwidth, args.rows_per_program)

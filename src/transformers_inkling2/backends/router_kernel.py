@@ -12,9 +12,10 @@ The partial sums are a Gluon kernel for its layout: a thread holds 4 consecutive
 slice is mostly a thread's own adds and 4 shuffles. Triton lays the same tile out with all 32 lanes along the inputs;
 compiled for sm_90a, its kernel took 324 shuffles and 9 barriers for two rows, this one 32 and none. A program holds
 up to 8 rows (`MAX_ROWS_PER_PROGRAM`), all loaded at once, multiplied and summed together; fewer where the grid would
-have fewer than `MIN_PROGRAMS` programs. Both launches on an H100, against the Triton kernel in the same run (docs/dev/
-benchmark-history.md, "The router's partial sums in Gluon"): 384 experts, 8 rows 13.0 -> 8.2 us, 64 rows 51.6 -> 23.5,
-one row 6.5 -> 6.0; 96 experts, 8 rows 5.2 -> 3.7 (programs of 4 rows), one row 3.5 -> 3.1.
+have fewer than `MIN_PROGRAMS` programs. Both launches on an H100 (docs/dev/benchmark-history.md, "The router's
+partial sums in Gluon"; the Triton kernel timed in a sweep, this one in `benchmarks/router.py` on another H100 of the
+same kind): 384 experts, 8 rows 13.0 -> 8.1 us, 64 rows 51.6 -> 23.5, one row 6.5 -> 6.1; 96 experts, 8 rows 5.2 ->
+3.7 (programs of 4 rows), one row 3.5 -> 3.1.
 
 Imported only when a CUDA tensor takes the path (`routing.py`; triton is not a CPU dependency). Gluon has no
 interpreter: the CPU tests run the top-k kernel under Triton's, the partial sums run on GPUs only.
@@ -136,13 +137,17 @@ def partial_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return partial
 
 
+def _routing_outputs(like: torch.Tensor, rows: int, experts: int, top_k: int):
+    """Empty (logits [rows, E] fp32, weights [rows, top_k] fp32, chosen experts [rows, top_k] int64) beside like."""
+    return (like.new_empty(rows, experts, dtype=torch.float32), like.new_empty(rows, top_k, dtype=torch.float32),
+            like.new_empty(rows, top_k, dtype=torch.int64))  # fmt: skip
+
+
 def top_k_of_partial_sums(partial: torch.Tensor, bias: torch.Tensor, top_k: int, route_scale: float):
     """(logits, weights, chosen experts) of the partial sums [slices, rows, E] that `partial_logits` writes: their
     sums, and the top k of each row by score + bias, `_top_k_kernel`."""
     slices, rows, experts = partial.shape
-    logits = partial.new_empty(rows, experts)
-    weights = partial.new_empty(rows, top_k)
-    chosen = partial.new_empty(rows, top_k, dtype=torch.int64)
+    logits, weights, chosen = _routing_outputs(partial, rows, experts, top_k)
     pdl = dependent_launch(partial)
     # 4 warps: the fastest of 1, 2, 4 and 8 (docs/kernels.md, "A decode step's small kernels")
     _top_k_kernel[(rows,)](
@@ -171,9 +176,7 @@ def top_k_routing(
 
 @top_k_routing.register_fake
 def _(x, weight, bias, top_k, route_scale):
-    rows, experts = x.shape[0], weight.shape[0]
-    return (x.new_empty(rows, experts, dtype=torch.float32), x.new_empty(rows, top_k, dtype=torch.float32),
-            x.new_empty(rows, top_k, dtype=torch.int64))  # fmt: skip
+    return _routing_outputs(x, x.shape[0], weight.shape[0], top_k)
 
 
 __all__ = ["MAX_EXPERTS", "partial_logits", "top_k_of_partial_sums", "top_k_routing"]
